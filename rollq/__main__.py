@@ -1,0 +1,3 @@
+from rollq.cli import main
+
+main()

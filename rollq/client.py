@@ -1,0 +1,294 @@
+"""Trainer SDK: submit prompt groups fire-and-forget, consume results, manage jobs.
+
+    async with RolloutClient(policy="math", trainer_id="run-7") as client:
+        job = await client.submit([[1, 2, 3], [4, 5]], n=8, sampling={"max_tokens": 64})
+        async for result in client.results():
+            train_on(result)          # acknowledged when you ask for the next one
+
+`SyncRolloutClient` offers the same for trainers that are not async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from rollq.protocol import (
+    MAX_JOB_GROUPS,
+    GroupResult,
+    InvalidInput,
+    QueueFull,
+    Sampling,
+    WorkItem,
+    check_id,
+    encode,
+    encode_meta,
+    pack_tokens,
+    sampling_from_dict,
+    validate_item,
+    validate_n,
+)
+from rollq.queue import jobs
+from rollq.queue.connection import DEFAULT_URL, connect
+from rollq.queue.jobs import JobStatus
+from rollq.queue.keys import Keys
+from rollq.queue.results import ResultReader
+from rollq.queue.scripts import Scripts
+
+
+def group_prompts(prompts: Sequence[Sequence[int]], n: int, repeated: bool) -> list[list[int]]:
+    """Unique prompts as given; with `repeated`, TRL-style runs of n equal prompts become one each."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise InvalidInput("prompts", "must be a list of token-id lists")
+    prompts = [list(p) for p in prompts]
+    if not repeated:
+        return prompts
+    if len(prompts) % n:
+        raise InvalidInput("prompts", f"{len(prompts)} prompts is not a multiple of n={n} "
+                                      "(repeated=True expects each prompt n times in a row)")
+    groups = []
+    for start in range(0, len(prompts), n):
+        run = prompts[start:start + n]
+        for offset, p in enumerate(run[1:], 1):
+            if p != run[0]:
+                raise InvalidInput(f"prompts[{start + offset}]",
+                                   f"differs from prompts[{start}]; with repeated=True each prompt "
+                                   f"must appear n={n} times in a row")
+        groups.append(run[0])
+    return groups
+
+
+def _sampling(sampling: Sampling | dict[str, Any] | None) -> Sampling:
+    if sampling is None:
+        return Sampling()
+    if isinstance(sampling, Sampling):
+        return sampling
+    if not isinstance(sampling, dict):
+        raise InvalidInput("sampling", f"must be a Sampling or a dict, got {type(sampling).__name__}")
+    return sampling_from_dict(sampling)
+
+
+class RolloutClient:
+    """One trainer's connection to a policy's queue."""
+
+    def __init__(
+        self,
+        redis_url: str = DEFAULT_URL,
+        *,
+        policy: str,
+        trainer_id: str,
+        max_outstanding: int = 65_536,
+        redis=None,
+    ):
+        self.keys = Keys(policy)
+        self.trainer_id = check_id("trainer_id", trainer_id)
+        if not 1 <= max_outstanding <= 10_000_000:
+            raise InvalidInput("max_outstanding", f"{max_outstanding} is out of range [1, 10000000]")
+        self.max_outstanding = max_outstanding
+        self.redis = redis if redis is not None else connect(redis_url)
+        self._owns_redis = redis is None
+        self.scripts = Scripts(self.redis)
+        self._reader = ResultReader(self.redis, self.scripts, self.keys, trainer_id, trainer_id)
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_redis:
+            await self.redis.aclose()
+
+    # --- submitting --------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int = 1,
+        sampling: Sampling | dict[str, Any] | None = None,
+        *,
+        job_id: str | None = None,
+        deadline_s: float | None = None,
+        meta: dict[str, Any] | None = None,
+        repeated: bool = False,
+        wait: bool = True,
+        timeout_s: float | None = None,
+    ) -> str:
+        """Queue one group of `n` samples per prompt; returns the job id at once.
+
+        One Redis round trip whatever the batch size. With `job_id`, submitting again is a
+        no-op (idempotent). When the trainer's quota has no room: waits (`wait=True`, up to
+        `timeout_s`) or raises QueueFull.
+        """
+        validate_n(n)
+        job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
+        items = self._encode_items(job_id, group_prompts(prompts, n, repeated), n,
+                                   _sampling(sampling), deadline_s)
+        meta_bytes = encode_meta(meta)
+        deadline = items[0][1]
+        give_up = time.monotonic() + timeout_s if timeout_s is not None else None
+        delay = 0.01
+        while True:
+            try:
+                await jobs.enqueue(self.redis, self.scripts, self.keys, trainer=self.trainer_id,
+                                   job_id=job_id, items=[b for b, _ in items],
+                                   quota=self.max_outstanding, deadline=deadline, meta=meta_bytes)
+                return job_id
+            except QueueFull:
+                if not wait or (give_up is not None and time.monotonic() >= give_up):
+                    raise
+            # Poll the cheap counter, not the whole batch, until there is room.
+            while await jobs.outstanding(self.redis, self.keys, self.trainer_id) + len(items) \
+                    > self.max_outstanding:
+                if give_up is not None and time.monotonic() >= give_up:
+                    break
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 0.5)
+
+    def _encode_items(self, job_id: str, prompts: list[list[int]], n: int, sampling: Sampling,
+                      deadline_s: float | None) -> list[tuple[bytes, float]]:
+        if not prompts:
+            raise InvalidInput("prompts", "is empty; submit at least one prompt")
+        if len(prompts) > MAX_JOB_GROUPS:
+            raise InvalidInput("prompts", f"{len(prompts)} groups in one job; the limit is {MAX_JOB_GROUPS}")
+        if len(prompts) > self.max_outstanding:
+            raise InvalidInput("prompts", f"{len(prompts)} groups can never fit the quota "
+                                          f"max_outstanding={self.max_outstanding}")
+        if deadline_s is not None and not 0 < deadline_s <= 30 * 86_400:
+            raise InvalidInput("deadline_s", f"deadline_s={deadline_s} must be in (0, 2592000]")
+        now = time.time()
+        deadline = now + deadline_s if deadline_s is not None else 0.0
+        items = []
+        for index, prompt in enumerate(prompts):
+            try:
+                packed = pack_tokens(prompt)
+            except (TypeError, OverflowError) as e:
+                raise InvalidInput(f"prompts[{index}]", f"token ids must be int32 integers ({e})") from None
+            item = WorkItem(job_id, index, packed, n, sampling, now, deadline)
+            try:
+                validate_item(item)
+            except InvalidInput as e:
+                field = f"prompts[{index}]" if e.field == "prompt" else e.field
+                raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
+            items.append((encode(item), deadline))
+        return items
+
+    # --- results -----------------------------------------------------------------------------
+
+    async def results(self, *, block_s: float = 1.0, batch: int = 64) -> AsyncIterator[GroupResult]:
+        """Results as they arrive, forever. Each is acknowledged when you ask for the next one.
+
+        A result you were handed but did not finish with (the loop broke or raised) is not
+        acknowledged: it comes back after a reconnect. Use `take` for a bounded read.
+        """
+        to_ack: list[str] = []
+        while True:
+            if to_ack:
+                await self._reader.ack(to_ack)
+                to_ack = []
+            for entry_id, result in await self._reader.read(batch, int(block_s * 1000)):
+                yield result
+                to_ack.append(entry_id)
+
+    async def take(self, count: int, *, timeout_s: float = 30.0) -> list[GroupResult]:
+        """Up to `count` results, waiting at most `timeout_s`; they are acknowledged."""
+        got: list[GroupResult] = []
+        give_up = time.monotonic() + timeout_s
+        while len(got) < count:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                break
+            entries = await self._reader.read(count - len(got), max(1, int(min(left, 1.0) * 1000)))
+            if entries:
+                await self._reader.ack([e for e, _ in entries])
+                got.extend(r for _, r in entries)
+        return got
+
+    # --- jobs --------------------------------------------------------------------------------
+
+    async def status(self, job_id: str) -> JobStatus:
+        status = await jobs.job_status(self.redis, self.keys, job_id)
+        if status is None:
+            raise KeyError(f"no job {job_id!r} in policy {self.keys.policy!r} (unknown or expired)")
+        return status
+
+    async def wait(self, job_id: str, *, timeout_s: float | None = None) -> JobStatus:
+        """Until every group of the job has its terminal result (results still arrive via `results`)."""
+        give_up = time.monotonic() + timeout_s if timeout_s is not None else None
+        delay = 0.01
+        while True:
+            status = await self.status(job_id)
+            if status.finished:
+                return status
+            if give_up is not None and time.monotonic() >= give_up:
+                raise TimeoutError(f"job {job_id!r}: {status.done} of {status.groups} groups done "
+                                   f"after {timeout_s} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+
+    async def cancel(self, job_id: str) -> int:
+        """Cancel a job: its groups without a result end `cancelled`. Returns how many were left."""
+        left = await jobs.cancel(self.redis, self.scripts, self.keys, job_id)
+        if left is None:
+            raise KeyError(f"no job {job_id!r} in policy {self.keys.policy!r} (unknown or expired)")
+        return left
+
+    async def outstanding(self) -> int:
+        """Groups submitted whose result this trainer has not acknowledged yet."""
+        return await jobs.outstanding(self.redis, self.keys, self.trainer_id)
+
+
+class SyncRolloutClient:
+    """RolloutClient for synchronous code: the same calls, run on a private event loop thread."""
+
+    def __init__(self, redis_url: str = DEFAULT_URL, **kwargs: Any):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollq-client",
+                                        daemon=True)
+        self._thread.start()
+        self._client = self._call(self._make(redis_url, kwargs))
+
+    @staticmethod
+    async def _make(redis_url: str, kwargs: dict[str, Any]) -> RolloutClient:
+        return RolloutClient(redis_url, **kwargs)
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def submit(self, prompts, n: int = 1, sampling=None, **kwargs: Any) -> str:
+        return self._call(self._client.submit(prompts, n, sampling, **kwargs))
+
+    def take(self, count: int, *, timeout_s: float = 30.0) -> list[GroupResult]:
+        return self._call(self._client.take(count, timeout_s=timeout_s))
+
+    def results(self, *, batch: int = 64) -> Iterator[GroupResult]:
+        """Results as they arrive, forever; each batch is acknowledged before it is handed out."""
+        while True:
+            yield from self.take(batch, timeout_s=1.0)
+
+    def status(self, job_id: str) -> JobStatus:
+        return self._call(self._client.status(job_id))
+
+    def wait(self, job_id: str, *, timeout_s: float | None = None) -> JobStatus:
+        return self._call(self._client.wait(job_id, timeout_s=timeout_s))
+
+    def cancel(self, job_id: str) -> int:
+        return self._call(self._client.cancel(job_id))
+
+    def close(self) -> None:
+        self._call(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncRolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

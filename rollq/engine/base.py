@@ -1,0 +1,39 @@
+"""The small protocol between the worker loop and whatever generates tokens."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from rollq.protocol import Sample, WorkItem
+
+
+class GroupError(Exception):
+    """This group cannot be generated (bad sampling values, prompt too long, ...).
+
+    The group ends `failed` with this message; the engine and the worker go on.
+    """
+
+
+class EngineDead(Exception):
+    """The engine cannot serve any more. The worker hands back every item it holds and exits."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    @property
+    def version(self) -> int:
+        """The policy version now loaded."""
+        ...
+
+    async def generate_group(self, item: WorkItem) -> list[Sample]:
+        """All `item.n` samples of one prompt group, from one engine request.
+
+        Cancellation aborts the request and re-raises CancelledError.
+        """
+        ...
+
+    async def swap(self, version: int, path: str) -> None:
+        """Load the weights of `version` from `path` (already verified) and serve them."""
+        ...
+
+    async def close(self) -> None: ...

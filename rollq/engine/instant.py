@@ -1,0 +1,55 @@
+"""InstantEngine: deterministic tokens with no model, for queue load/chaos tests and benchmarks.
+
+It never stands in for generation in a test of generation. Its output is a pure function of
+the prompt (`expected_tokens`), so a test can check that every result belongs to its prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+from rollq.engine.base import GroupError
+from rollq.protocol import Sample, WorkItem, pack_floats, pack_tokens
+
+FAIL_TOKEN = 2**31 - 7
+"""A prompt starting with this token fails its group with GroupError (for tests of failures)."""
+
+
+def expected_tokens(prompt: bytes, sample_index: int, max_tokens: int, vocab_size: int) -> list[int]:
+    start = zlib.crc32(prompt) + 7919 * sample_index
+    return [(start + 31 * j) % vocab_size for j in range(max_tokens)]
+
+
+class InstantEngine:
+    def __init__(self, *, vocab_size: int = 32_000, delay_s: float = 0.0, version: int = 0):
+        self.vocab_size = vocab_size
+        self.delay_s = delay_s
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate_group(self, item: WorkItem) -> list[Sample]:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if item.prompt[:4] == pack_tokens([FAIL_TOKEN]):
+            raise GroupError("InstantEngine: prompt starts with FAIL_TOKEN")
+        max_tokens = item.sampling.max_tokens
+        logprobs = pack_floats([-1.0] * max_tokens)
+        return [
+            Sample(
+                tokens=pack_tokens(expected_tokens(item.prompt, i, max_tokens, self.vocab_size)),
+                logprobs=logprobs,
+                finish_reason="length",
+                versions=[(self._version, 0)],
+            )
+            for i in range(item.n)
+        ]
+
+    async def swap(self, version: int, path: str) -> None:
+        self._version = version
+
+    async def close(self) -> None:
+        pass

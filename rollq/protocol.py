@@ -1,0 +1,363 @@
+"""The wire format: every message that crosses Redis, as msgspec Structs, and its limits.
+
+This is the one module that knows how bytes on the wire look. Structs are `array_like` (no
+field names on the wire) and `omit_defaults`; new fields go at the end with a default, so older
+messages still decode. Token ids travel packed as little-endian int32 bytes and logprobs as
+float32 bytes, never as lists of Python ints.
+
+Untrusted bytes go through `decode_item`: size first, then a typed decode, then `validate_item`.
+Nothing here can execute code found in a payload (msgpack into typed Structs only).
+"""
+
+from __future__ import annotations
+
+import array
+import math
+import re
+import sys
+from typing import Any, Literal
+
+import msgspec
+
+# --- Limits: explicit, checked on the client before encoding and on the worker before use. ---
+MAX_N = 1024
+"""Samples per group."""
+MAX_PROMPT_TOKENS = 131_072
+MAX_NEW_TOKENS = 131_072
+"""`sampling.max_tokens`."""
+MAX_GROUP_TOKENS = 4_194_304
+"""`n * max_tokens`: bounds the size of one group's result."""
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 1024
+MAX_ITEM_BYTES = 2 * 1024 * 1024
+"""One encoded work item (one prompt group)."""
+MAX_META_BYTES = 64 * 1024
+"""The user's `meta` of one job, encoded."""
+MAX_JOB_GROUPS = 65_536
+MAX_ID_CHARS = 128
+"""`job_id`, `trainer_id`, policy names."""
+MAX_RESULT_BYTES = 512 * 1024 * 1024
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9._\-]+$")
+
+Status = Literal["ok", "failed", "expired", "cancelled"]
+TERMINAL_STATUSES: tuple[Status, ...] = ("ok", "failed", "expired", "cancelled")
+
+
+class InvalidInput(ValueError):
+    """Bad input from a user or a payload: names the field and the limit it broke."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class QueueFull(Exception):
+    """The trainer's quota of outstanding groups has no room and the caller asked not to wait."""
+
+
+# --- Packed arrays ---------------------------------------------------------------------------
+
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_tokens(ids: Any) -> bytes:
+    """Token ids (any iterable of ints) -> little-endian int32 bytes."""
+    if isinstance(ids, (bytes, bytearray, memoryview)):
+        raise TypeError("token ids must be integers, not bytes (already packed?)")
+    a = array.array("i", ids)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    a = array.array("i")
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
+
+
+def pack_floats(values: Any) -> bytes:
+    a = array.array("f", values)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    a = array.array("f")
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
+
+
+# --- Wire types ------------------------------------------------------------------------------
+
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+class Sampling(msgspec.Struct, **_WIRE):
+    """Sampling settings of one job; vLLM's defaults and meanings (`top_k=0` disables it)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 256
+    stop_token_ids: list[int] = []
+    seed: int | None = None
+    logprobs: int = 0
+    """Top-N logprobs per position besides the sampled token's own (always returned)."""
+    regex: str | None = None
+    """Structured output: completions must match this regular expression."""
+    extra: dict[str, Any] = {}
+    """Passed through to the engine's sampling parameters (validated by the engine)."""
+
+
+class WorkItem(msgspec.Struct, **_WIRE):
+    """One prompt group: the unit of work in a trainer's work stream.
+
+    It carries no trainer id: the stream it was read from decides whose result stream the
+    result goes to, so a forged item cannot write into another trainer's results.
+    """
+
+    job_id: str
+    group_index: int
+    prompt: bytes
+    """int32 token ids."""
+    n: int
+    sampling: Sampling
+    submitted_at: float
+    deadline: float = 0.0
+    """Unix time after which the group ends `expired`; 0 means none."""
+
+
+class ItemHeader(msgspec.Struct, array_like=True):
+    """The first fields of a WorkItem, to name the group of an item that fails to decode."""
+
+    job_id: str
+    group_index: int
+
+
+class Sample(msgspec.Struct, **_WIRE):
+    """One completion of a group."""
+
+    tokens: bytes
+    """int32 completion token ids."""
+    logprobs: bytes
+    """float32 logprob of each sampled token under the version that produced it."""
+    finish_reason: str
+    """`stop`, `length` or `abort`."""
+    stop_reason: int | str | None = None
+    versions: list[tuple[int, int]] = []
+    """Version segments: (policy version, index of the first token it produced)."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return unpack_tokens(self.tokens)
+
+    @property
+    def token_logprobs(self) -> list[float]:
+        return unpack_floats(self.logprobs)
+
+
+class GroupResult(msgspec.Struct, **_WIRE):
+    """The one terminal result of a group, appended to its trainer's result stream."""
+
+    job_id: str
+    group_index: int
+    status: Status
+    reason: str = ""
+    samples: list[Sample] = []
+    prompt: bytes = b""
+    worker_id: str = ""
+    queued_s: float = 0.0
+    """Submit to generation start."""
+    generation_s: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return unpack_tokens(self.prompt)
+
+
+# One encoder and one decoder per type per process, reused (msgspec's advice).
+encoder = msgspec.msgpack.Encoder()
+_item_decoder = msgspec.msgpack.Decoder(WorkItem)
+_header_decoder = msgspec.msgpack.Decoder(ItemHeader)
+_result_decoder = msgspec.msgpack.Decoder(GroupResult)
+_meta_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+def encode(obj: Any) -> bytes:
+    return encoder.encode(obj)
+
+
+# --- Validation ------------------------------------------------------------------------------
+
+
+def check_id(field: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(field, f"must be a non-empty string, got {value!r}")
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidInput(field, f"is {len(value)} characters; the limit is {MAX_ID_CHARS}")
+    if not ID_PATTERN.match(value):
+        raise InvalidInput(field, f"{value!r} may contain only letters, digits, '.', '_' and '-'")
+    return value
+
+
+def _check_range(field: str, value: float, lo: float, hi: float) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidInput(field, f"must be a finite number, got {value}")
+    if not lo <= value <= hi:
+        raise InvalidInput(field, f"{field}={value} is out of range [{lo}, {hi}]")
+
+
+def validate_sampling(s: Sampling, n: int, field: str = "sampling") -> None:
+    _check_range(f"{field}.temperature", s.temperature, 0.0, 100.0)
+    if not 0.0 < s.top_p <= 1.0:
+        raise InvalidInput(f"{field}.top_p", f"top_p={s.top_p} must be in (0, 1]")
+    if s.top_k < -1:
+        raise InvalidInput(f"{field}.top_k", f"top_k={s.top_k} must be >= 0 (0 or -1 disables it)")
+    _check_range(f"{field}.min_p", s.min_p, 0.0, 1.0)
+    if not 0.0 < s.repetition_penalty <= 100.0:
+        raise InvalidInput(f"{field}.repetition_penalty",
+                           f"repetition_penalty={s.repetition_penalty} must be in (0, 100]")
+    _check_range(f"{field}.presence_penalty", s.presence_penalty, -2.0, 2.0)
+    _check_range(f"{field}.frequency_penalty", s.frequency_penalty, -2.0, 2.0)
+    if not 1 <= s.max_tokens <= MAX_NEW_TOKENS:
+        raise InvalidInput(f"{field}.max_tokens",
+                           f"max_tokens={s.max_tokens} must be between 1 and {MAX_NEW_TOKENS}")
+    if n * s.max_tokens > MAX_GROUP_TOKENS:
+        raise InvalidInput(f"{field}.max_tokens",
+                           f"n * max_tokens = {n * s.max_tokens} exceeds {MAX_GROUP_TOKENS} per group")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidInput(f"{field}.stop_token_ids",
+                           f"{len(s.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
+    if any(t < 0 or t >= 2**31 for t in s.stop_token_ids):
+        raise InvalidInput(f"{field}.stop_token_ids", "token ids must be in [0, 2**31)")
+    if not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidInput(f"{field}.logprobs",
+                           f"logprobs={s.logprobs} must be between 0 and {MAX_TOP_LOGPROBS}")
+    if s.seed is not None and not 0 <= s.seed < 2**63:
+        raise InvalidInput(f"{field}.seed", f"seed={s.seed} must be in [0, 2**63)")
+
+
+def validate_prompt(prompt: bytes, field: str = "prompt") -> None:
+    if len(prompt) % 4:
+        raise InvalidInput(field, f"packed token ids must be a multiple of 4 bytes, got {len(prompt)}")
+    count = len(prompt) // 4
+    if count == 0:
+        raise InvalidInput(field, "is empty; a prompt needs at least one token")
+    if count > MAX_PROMPT_TOKENS:
+        raise InvalidInput(field, f"has {count} tokens; the limit is {MAX_PROMPT_TOKENS}")
+    smallest = min(memoryview(prompt).cast("i")) if _LITTLE else min(unpack_tokens(prompt))
+    if smallest < 0:
+        raise InvalidInput(field, "token ids must be non-negative")
+
+
+def validate_n(n: Any) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise InvalidInput("n", f"n={n!r} must be an integer between 1 and {MAX_N}")
+
+
+def validate_item(item: WorkItem) -> None:
+    check_id("job_id", item.job_id)
+    if not 0 <= item.group_index < MAX_JOB_GROUPS:
+        raise InvalidInput("group_index", f"{item.group_index} is out of range [0, {MAX_JOB_GROUPS})")
+    validate_n(item.n)
+    validate_prompt(item.prompt)
+    validate_sampling(item.sampling, item.n)
+    extra_size = len(encode(item.sampling.extra))
+    if extra_size > MAX_META_BYTES:
+        raise InvalidInput("sampling.extra", f"is {extra_size} bytes encoded; the limit is {MAX_META_BYTES}")
+
+
+# --- Decoding untrusted bytes ----------------------------------------------------------------
+
+_PATH = re.compile(r"`\$((?:\[\d+\]|\.\w+)*)`")
+
+
+def _name_path(message: str, cls: type) -> str:
+    """msgspec reports array_like positions (`$[4][7]`); say field names (`$.sampling.max_tokens`)."""
+
+    def rename(match: re.Match) -> str:
+        out, typ = "$", cls
+        for part in re.findall(r"\[(\d+)\]|\.(\w+)", match.group(1)):
+            index, name = part
+            fields = getattr(typ, "__struct_fields__", None)
+            if index and fields is not None and int(index) < len(fields):
+                name = fields[int(index)]
+                typ = msgspec.structs.fields(typ)[int(index)].type
+                out += f".{name}"
+            else:
+                out += f"[{index}]" if index else f".{name}"
+                typ = getattr(typ, "__args__", (None,))[0] if typ is not None else None
+        return f"`{out}`"
+
+    return _PATH.sub(rename, message)
+
+
+def decode_item(data: bytes) -> WorkItem:
+    """Untrusted work-item bytes -> a validated WorkItem, or InvalidInput naming the problem."""
+    if len(data) > MAX_ITEM_BYTES:
+        raise InvalidInput("item", f"is {len(data)} bytes; the limit is {MAX_ITEM_BYTES}")
+    try:
+        item = _item_decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise InvalidInput("item", f"malformed work item: {_name_path(str(e), WorkItem)}") from None
+    validate_item(item)
+    return item
+
+
+def peek_header(data: bytes) -> ItemHeader | None:
+    """Best effort: the job and group of an item that failed to decode, if they can be read."""
+    try:
+        return _header_decoder.decode(data[:MAX_ITEM_BYTES])
+    except msgspec.DecodeError:
+        return None
+
+
+def decode_result(data: bytes) -> GroupResult:
+    if len(data) > MAX_RESULT_BYTES:
+        raise InvalidInput("result", f"is {len(data)} bytes; the limit is {MAX_RESULT_BYTES}")
+    return _result_decoder.decode(data)
+
+
+def _object_twin(cls: type) -> type:
+    """The same Struct with named fields, to validate user dicts with field names in errors."""
+    fields = []
+    for f in msgspec.structs.fields(cls):
+        default = f.default if f.default is not msgspec.NODEFAULT else msgspec.field(
+            default_factory=f.default_factory)
+        fields.append((f.name, f.type, default))
+    return msgspec.defstruct(cls.__name__, fields, forbid_unknown_fields=True)
+
+
+_SamplingObject = _object_twin(Sampling)
+
+
+def sampling_from_dict(values: dict[str, Any]) -> Sampling:
+    """User settings (`{"max_tokens": 64}`) -> Sampling; unknown or mistyped fields are named."""
+    try:
+        obj = msgspec.convert(values, _SamplingObject, strict=False)
+    except msgspec.ValidationError as e:
+        raise InvalidInput("sampling", str(e).replace("`$.", "`sampling.")) from None
+    return Sampling(**msgspec.structs.asdict(obj))
+
+
+def encode_meta(meta: dict[str, Any] | None) -> bytes:
+    data = encode(meta or {})
+    if len(data) > MAX_META_BYTES:
+        raise InvalidInput("meta", f"is {len(data)} bytes encoded; the limit is {MAX_META_BYTES}")
+    return data
+
+
+def decode_meta(data: bytes) -> dict[str, Any]:
+    return _meta_decoder.decode(data) if data else {}

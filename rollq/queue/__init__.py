@@ -1,0 +1,1 @@
+"""Redis Streams queue: work streams per trainer, leases, results, all through Lua scripts."""

@@ -1,0 +1,105 @@
+"""Jobs as the trainer sees them: enqueue a batch, look at its record, cancel it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from redis.asyncio import Redis
+
+from rollq.protocol import QueueFull, decode_meta
+from rollq.queue.keys import Keys
+from rollq.queue.scripts import Scripts
+
+
+class JobStatus(msgspec.Struct, frozen=True):
+    """A job's record: how many of its groups ended in each terminal status."""
+
+    job_id: str
+    trainer_id: str
+    state: str
+    """`pending`, `done` (every group has its result) or `cancelled`."""
+    groups: int
+    done: int
+    ok: int
+    failed: int
+    expired: int
+    cancelled: int
+    created_at: float
+    deadline: float
+    finished_at: float
+    meta: dict[str, Any]
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.groups
+
+
+class Enqueued(msgspec.Struct, frozen=True):
+    created: bool
+    """False when the job id existed already (idempotent submit): nothing was added."""
+
+
+async def enqueue(
+    redis: Redis,
+    scripts: Scripts,
+    keys: Keys,
+    *,
+    trainer: str,
+    job_id: str,
+    items: list[bytes],
+    quota: int,
+    deadline: float,
+    meta: bytes,
+) -> Enqueued:
+    """Write the job record and one work entry per group in one round trip.
+
+    Raises QueueFull when the trainer's outstanding groups plus these would pass its quota.
+    """
+    reply = await scripts.enqueue(
+        keys=[keys.job(job_id), keys.work(trainer), keys.trainers, keys.outstanding(trainer),
+              keys.quotas],
+        args=[trainer, quota, len(items), time.time(), deadline, meta, job_id, *items],
+        client=redis,
+    )
+    verdict = reply[0].decode()
+    if verdict == "full":
+        outstanding, limit = int(reply[1]), int(reply[2])
+        raise QueueFull(
+            f"trainer {trainer!r} has {outstanding} outstanding groups; {len(items)} more would "
+            f"pass its quota of {limit} (results count until acknowledged)"
+        )
+    return Enqueued(created=verdict == "ok")
+
+
+async def outstanding(redis: Redis, keys: Keys, trainer: str) -> int:
+    return int(await redis.get(keys.outstanding(trainer)) or 0)
+
+
+async def job_status(redis: Redis, keys: Keys, job_id: str) -> JobStatus | None:
+    record = await redis.hgetall(keys.job(job_id))
+    if not record:
+        return None
+    field = {k.decode(): v for k, v in record.items()}
+    return JobStatus(
+        job_id=job_id,
+        trainer_id=field["trainer"].decode(),
+        state=field["state"].decode(),
+        groups=int(field["groups"]),
+        done=int(field["done"]),
+        ok=int(field["ok"]),
+        failed=int(field["failed"]),
+        expired=int(field["expired"]),
+        cancelled=int(field["cancelled"]),
+        created_at=float(field["created_at"]),
+        deadline=float(field["deadline"]),
+        finished_at=float(field.get("finished_at", 0)),
+        meta=decode_meta(field["meta"]),
+    )
+
+
+async def cancel(redis: Redis, scripts: Scripts, keys: Keys, job_id: str) -> int | None:
+    """Mark the job cancelled; returns its groups still without a result (None: no such job)."""
+    left = int(await scripts.cancel(keys=[keys.job(job_id)], client=redis))
+    return None if left < 0 else left

@@ -1,0 +1,85 @@
+"""Every Redis key rollq uses, spelled here and nowhere else.
+
+All keys of one policy share the hash tag `{policy}`, so every Lua script touches one slot and
+runs on Redis Cluster too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollq.protocol import check_id
+
+WORKERS_GROUP = "workers"
+"""Consumer group of every work stream."""
+TRAINER_GROUP = "trainer"
+"""Consumer group of every result stream."""
+RELEASED_CONSUMER = "_released"
+"""Owner of work items handed back by a worker; anyone may reclaim them at once."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    policy: str
+
+    def __post_init__(self) -> None:
+        check_id("policy", self.policy)
+
+    @property
+    def _p(self) -> str:
+        return f"rollq:{{{self.policy}}}"
+
+    def work(self, trainer: str) -> str:
+        """Work stream of one trainer: one entry per prompt group."""
+        return f"{self._p}:work:{trainer}"
+
+    def results(self, trainer: str) -> str:
+        """Result stream of one trainer: one entry per finished group."""
+        return f"{self._p}:res:{trainer}"
+
+    def job(self, job_id: str) -> str:
+        """Hash: the job record with its counters."""
+        return f"{self._p}:job:{job_id}"
+
+    def done(self, job_id: str) -> str:
+        """Hash group_index -> status: the groups of a job that have their terminal result."""
+        return f"{self._p}:done:{job_id}"
+
+    def outstanding(self, trainer: str) -> str:
+        """Counter: groups submitted by a trainer whose result it has not acknowledged."""
+        return f"{self._p}:outstanding:{trainer}"
+
+    @property
+    def trainers(self) -> str:
+        """Set of trainers that have a work stream."""
+        return f"{self._p}:trainers"
+
+    @property
+    def quotas(self) -> str:
+        """Hash trainer -> server-side cap on outstanding groups (optional, set by operators)."""
+        return f"{self._p}:quotas"
+
+    @property
+    def errors(self) -> str:
+        """Hash work-entry id -> last error of a delivery that did not finish it."""
+        return f"{self._p}:errors"
+
+    @property
+    def dead(self) -> str:
+        """Stream of dead-lettered work items, with the reason."""
+        return f"{self._p}:dead"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set of worker ids by time of their last heartbeat."""
+        return f"{self._p}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        """A worker's last heartbeat; expires when the worker stops beating."""
+        return f"{self._p}:worker:{worker_id}"
+
+    def trainer_of(self, work_stream: str) -> str:
+        prefix = f"{self._p}:work:"
+        if not work_stream.startswith(prefix):
+            raise ValueError(f"{work_stream!r} is not a work stream of policy {self.policy!r}")
+        return work_stream[len(prefix):]

@@ -1,0 +1,29 @@
+-- Submit one job: its record and one work entry per group, atomically, in one round trip.
+-- KEYS: job, work stream, trainers set, outstanding counter, quotas hash
+-- ARGV: trainer, client quota, groups, created_at, deadline, meta, job_id, item1..itemN
+-- Returns {'ok'}, {'dup'} (this job_id exists: idempotent submit) or {'full', outstanding, quota}.
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {'dup'}
+end
+local groups = tonumber(ARGV[3])
+local quota = tonumber(ARGV[2])
+local cap = redis.call('HGET', KEYS[5], ARGV[1])
+if cap and tonumber(cap) < quota then
+  quota = tonumber(cap)
+end
+local outstanding = tonumber(redis.call('GET', KEYS[4]) or '0')
+if outstanding + groups > quota then
+  return {'full', outstanding, quota}
+end
+-- '0' so that entries added before any worker starts are still delivered; BUSYGROUP is fine.
+redis.pcall('XGROUP', 'CREATE', KEYS[2], 'workers', '0', 'MKSTREAM')
+redis.call('HSET', KEYS[1], 'trainer', ARGV[1], 'groups', groups, 'done', 0, 'ok', 0,
+  'failed', 0, 'expired', 0, 'cancelled', 0, 'created_at', ARGV[4], 'deadline', ARGV[5],
+  'meta', ARGV[6], 'state', 'pending')
+for i = 1, groups do
+  -- j and g repeat the payload's job and group so a malformed payload can still be named.
+  redis.call('XADD', KEYS[2], '*', 'j', ARGV[7], 'g', i - 1, 'd', ARGV[7 + i])
+end
+redis.call('INCRBY', KEYS[4], groups)
+redis.call('SADD', KEYS[3], ARGV[1])
+return {'ok'}

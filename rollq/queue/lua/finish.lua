@@ -1,0 +1,34 @@
+-- Write the one terminal result of a work entry, if the caller still owns it (fencing).
+-- KEYS: work stream, result stream, job, done hash, errors hash, dead-letter stream
+-- ARGV: consumer, entry id, group index ('' when unknown), status, result payload, job ttl (s),
+--       dead-letter reason ('' for none), raw item (kept in the dead letter)
+-- Returns 'ok', 'dup' (the group already had its result: entry dropped) or 'lost' (not ours).
+local pending = redis.call('XPENDING', KEYS[1], 'workers', ARGV[2], ARGV[2], 1)
+if #pending == 0 or pending[1][2] ~= ARGV[1] then
+  return 'lost'
+end
+redis.call('XACK', KEYS[1], 'workers', ARGV[2])
+-- Consumed entries are deleted rather than trimmed: nothing pending is ever cut away.
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HDEL', KEYS[5], ARGV[2])
+if ARGV[7] ~= '' then
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', 100000, '*', 'stream', KEYS[1], 'id', ARGV[2],
+    'reason', ARGV[7], 'item', ARGV[8])
+end
+if ARGV[3] ~= '' and redis.call('EXISTS', KEYS[3]) == 1 then
+  if redis.call('HSETNX', KEYS[4], ARGV[3], ARGV[4]) == 0 then
+    return 'dup'
+  end
+  redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+  local done = redis.call('HINCRBY', KEYS[3], 'done', 1)
+  if done >= tonumber(redis.call('HGET', KEYS[3], 'groups')) then
+    if redis.call('HGET', KEYS[3], 'state') == 'pending' then
+      redis.call('HSET', KEYS[3], 'state', 'done')
+    end
+    redis.call('HSET', KEYS[3], 'finished_at', redis.call('TIME')[1])
+    redis.call('EXPIRE', KEYS[3], ARGV[6])
+    redis.call('EXPIRE', KEYS[4], ARGV[6])
+  end
+end
+redis.call('XADD', KEYS[2], '*', 'd', ARGV[5])
+return 'ok'

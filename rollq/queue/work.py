@@ -1,0 +1,203 @@
+"""The worker's side of the work streams: claim, reclaim, renew, finish, release.
+
+A lease is the idle time of an entry in the consumer group's pending list: the holder resets it
+(`renew`), anyone may take over an entry idle for longer than the lease (`reclaim`, XAUTOCLAIM),
+and `finish` writes a result only while the caller still owns the entry (fencing).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from rollq.queue.keys import WORKERS_GROUP, Keys
+from rollq.queue.scripts import Scripts
+
+
+@dataclass
+class Claimed:
+    """A work entry this worker holds."""
+
+    stream: str
+    entry_id: str
+    data: bytes | None
+    """The encoded WorkItem (None when the entry has no payload field)."""
+    job_id: str | None
+    group_index: int | None
+    deliveries: int = 1
+    last_error: str = ""
+    claimed_at: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.stream, self.entry_id)
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _entry(stream: str, entry_id: bytes, fields: dict | list | None, **extra) -> Claimed:
+    if isinstance(fields, list):  # Lua replies carry fields as a flat list
+        fields = dict(zip(fields[::2], fields[1::2]))
+    fields = fields or {}
+    group = _text(fields.get(b"g"))
+    return Claimed(
+        stream=stream,
+        entry_id=_text(entry_id),
+        data=fields.get(b"d"),
+        job_id=_text(fields.get(b"j")),
+        group_index=int(group) if group and group.isdigit() else None,
+        **extra,
+    )
+
+
+class WorkQueue:
+    """One worker's view of a policy's work streams."""
+
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, *, job_ttl_s: int):
+        self.redis = redis
+        self.keys = keys
+        self.consumer = consumer
+        self.job_ttl_s = job_ttl_s
+        self.scripts = Scripts(redis)
+        self._rotation = 0
+        self._reclaim_cursor: dict[str, str] = {}
+
+    async def streams(self) -> list[str]:
+        trainers = sorted(t.decode() for t in await self.redis.smembers(self.keys.trainers))
+        return [self.keys.work(t) for t in trainers]
+
+    async def ensure_group(self, stream: str) -> None:
+        try:
+            await self.redis.xgroup_create(stream, WORKERS_GROUP, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def claim(self, streams: list[str], free: int, block_ms: int = 0) -> list[Claimed]:
+        """New entries for up to `free` slots, shared round-robin among the trainers' streams.
+
+        Each stream gets an equal share (the remainder rotates), so one trainer's backlog cannot
+        starve another's; shares left unused by short streams go to the others.  When nothing is
+        waiting and `block_ms` is set, blocks until some stream has an entry; that read may
+        return one entry per stream, so up to len(streams) - 1 more than `free`.
+        """
+        got: list[Claimed] = []
+        candidates = list(streams)
+        while candidates and len(got) < free:
+            want = free - len(got)
+            start = self._rotation % len(candidates)
+            self._rotation += 1
+            order = candidates[start:] + candidates[:start]
+            shares = [want // len(order) + (i < want % len(order)) for i in range(len(order))]
+            asks = [(s, c) for s, c in zip(order, shares) if c > 0]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for stream, count in asks:
+                    pipe.xreadgroup(WORKERS_GROUP, self.consumer, {stream: ">"}, count=count)
+                replies = await pipe.execute(raise_on_error=False)
+            candidates = []
+            for (stream, count), reply in zip(asks, replies):
+                if isinstance(reply, ResponseError):
+                    if "NOGROUP" not in str(reply):
+                        raise reply
+                    await self.ensure_group(stream)
+                    continue
+                entries = reply[0][1] if reply else []
+                got.extend(_entry(stream, eid, fields) for eid, fields in entries)
+                if len(entries) == count:  # may hold more: eligible for unused shares
+                    candidates.append(stream)
+        if got or not block_ms or not streams:
+            return got
+        try:
+            reply = await self.redis.xreadgroup(
+                WORKERS_GROUP, self.consumer, {s: ">" for s in streams}, count=1, block=block_ms
+            )
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            for stream in streams:
+                await self.ensure_group(stream)
+            return []
+        for stream, entries in reply or []:
+            got.extend(_entry(_text(stream), eid, fields) for eid, fields in entries)
+        return got
+
+    async def reclaim(self, streams: list[str], lease_ms: int, count: int) -> list[Claimed]:
+        """Take over up to `count` entries whose lease lapsed, with their delivery counts."""
+        got: list[Claimed] = []
+        for stream in streams:
+            if len(got) >= count:
+                break
+            cursor = self._reclaim_cursor.get(stream, "0-0")
+            try:
+                next_cursor, entries = await self.scripts.reclaim(
+                    keys=[stream, self.keys.errors],
+                    args=[self.consumer, lease_ms, cursor, count - len(got)],
+                    client=self.redis,
+                )
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                await self.ensure_group(stream)
+                continue
+            self._reclaim_cursor[stream] = _text(next_cursor)
+            for entry_id, fields, deliveries, error in entries:
+                got.append(_entry(stream, entry_id, fields, deliveries=int(deliveries),
+                                  last_error=_text(error)))
+        return got
+
+    async def renew(self, held: list[Claimed]) -> list[Claimed]:
+        """Extend the lease of every held entry; returns the ones this worker no longer owns."""
+        by_stream: dict[str, list[Claimed]] = {}
+        for c in held:
+            by_stream.setdefault(c.stream, []).append(c)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream, items in by_stream.items():
+                await self.scripts.renew(keys=[stream],
+                                         args=[self.consumer, *(c.entry_id for c in items)],
+                                         client=pipe)
+            replies = await pipe.execute()
+        lost_ids = {(s, _text(i)) for s, reply in zip(by_stream, replies) for i in reply}
+        return [c for c in held if c.key in lost_ids]
+
+    async def finish(self, claimed: Claimed, status: str, payload: bytes, *,
+                     dead_reason: str = "") -> str:
+        """Append the group's result and ack its entry, if still ours: 'ok', 'dup' or 'lost'."""
+        trainer = self.keys.trainer_of(claimed.stream)
+        job_id = claimed.job_id or "-"
+        group = "" if claimed.group_index is None else str(claimed.group_index)
+        reply = await self.scripts.finish(
+            keys=[claimed.stream, self.keys.results(trainer), self.keys.job(job_id),
+                  self.keys.done(job_id), self.keys.errors, self.keys.dead],
+            args=[self.consumer, claimed.entry_id, group if claimed.job_id else "", status,
+                  payload, self.job_ttl_s, dead_reason, claimed.data or b""],
+            client=self.redis,
+        )
+        return _text(reply)
+
+    async def release(self, items: list[Claimed], *, error: str = "", refund: bool = True) -> int:
+        """Hand entries back so another worker takes them at once; `refund`: not a delivery."""
+        released = 0
+        by_stream: dict[str, list[str]] = {}
+        for c in items:
+            by_stream.setdefault(c.stream, []).append(c.entry_id)
+        for stream, ids in by_stream.items():
+            released += await self.scripts.release(
+                keys=[stream, self.keys.errors],
+                args=[self.consumer, error, int(refund), *ids],
+                client=self.redis,
+            )
+        return released
+
+    async def job_states(self, job_ids: set[str]) -> dict[str, str | None]:
+        """`pending`, `done`, `cancelled`, or None for a job without a record."""
+        ordered = sorted(job_ids)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in ordered:
+                pipe.hget(self.keys.job(job_id), "state")
+            states = await pipe.execute()
+        return {j: _text(s) for j, s in zip(ordered, states)}

@@ -1,0 +1,1 @@
+"""Versioned weight registry (versions in Redis, safetensors weight store): not built yet."""

@@ -1,0 +1,1 @@
+"""The worker process: consume loop (`loop.Worker`) and its heartbeat."""

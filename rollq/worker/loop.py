@@ -1,0 +1,257 @@
+"""The consume loop: claim groups fairly, keep the engine busy, hold leases, write results.
+
+Every claimed entry ends in exactly one of: a result written by `finish` (ok, failed, expired,
+cancelled; dead-lettered when malformed or delivered too often), a `release` back to the pool
+(shutdown, engine death, unexpected error), or a lost lease (someone else took it over: this
+worker drops it without writing anything).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from rollq.engine.base import Engine, EngineDead, GroupError
+from rollq.protocol import GroupResult, InvalidInput, decode_item, encode, peek_header
+from rollq.queue.work import Claimed, WorkQueue
+from rollq.worker.heartbeat import Heartbeat
+
+log = logging.getLogger("rollq.worker")
+
+
+@dataclass
+class _Held:
+    claimed: Claimed
+    task: asyncio.Task
+
+
+class Worker:
+    def __init__(
+        self,
+        queue: WorkQueue,
+        engine: Engine,
+        *,
+        max_inflight: int,
+        lease_s: float,
+        max_deliveries: int,
+        grace_s: float,
+        poll_s: float,
+    ):
+        self.queue = queue
+        self.engine = engine
+        self.worker_id = queue.consumer
+        self.max_inflight = max_inflight
+        self.lease_s = lease_s
+        self.max_deliveries = max_deliveries
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self.heartbeat = Heartbeat(queue.redis, queue.keys, self.worker_id, ttl_s=3 * lease_s)
+        self._held: dict[tuple[str, str], _Held] = {}
+        self._engine_slots = asyncio.Semaphore(max_inflight)
+        self._slot_freed = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._hurry = asyncio.Event()
+        self._fatal: BaseException | None = None
+
+    def stop(self) -> None:
+        """First call: stop claiming and shut down in stages. Second call: skip the grace period."""
+        if self._stopping.is_set():
+            self._hurry.set()
+        self._stopping.set()
+
+    async def run(self) -> int:
+        """Serve until stopped; returns the process exit code (non-zero if the engine died)."""
+        log.info("worker %s serving policy %r", self.worker_id, self.queue.keys.policy)
+        renewing = asyncio.create_task(self._renew_loop(), name="renew")
+        try:
+            await self._feed_loop()
+            await self._drain()
+        finally:
+            # Also on cancellation: nothing held may stay pending for a full lease.
+            await self._release_held()
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
+            await self.heartbeat.remove()
+        if self._fatal:
+            log.error("worker %s stopped: engine failed: %s", self.worker_id, self._fatal)
+            return 1
+        log.info("worker %s stopped cleanly", self.worker_id)
+        return 0
+
+    # --- claiming ----------------------------------------------------------------------------
+
+    async def _feed_loop(self) -> None:
+        streams: list[str] = []
+        next_refresh = next_reclaim = 0.0
+        reclaim_every = min(self.lease_s / 2, 5.0)
+        while not self._stopping.is_set():
+            free = self.max_inflight - len(self._held)
+            if free <= 0:
+                self._slot_freed.clear()
+                await _first(self._slot_freed.wait(), self._stopping.wait())
+                continue
+            now = time.monotonic()
+            if now >= next_refresh:
+                streams = await self.queue.streams()
+                next_refresh = now + self.poll_s
+            if not streams:
+                await _first(self._stopping.wait(), timeout=self.poll_s)
+                continue
+            claimed: list[Claimed] = []
+            if now >= next_reclaim:
+                claimed = await self.queue.reclaim(streams, int(self.lease_s * 1000), free)
+                next_reclaim = now + reclaim_every
+            block_ms = 0 if claimed else int(self.poll_s * 1000)
+            claimed += await self.queue.claim(streams, free - len(claimed), block_ms)
+            if self._stopping.is_set() and claimed:
+                await self.queue.release(claimed)
+                break
+            await self._start(claimed)
+
+    async def _start(self, claimed: list[Claimed]) -> None:
+        if not claimed:
+            return
+        states = await self.queue.job_states({c.job_id for c in claimed if c.job_id})
+        for c in claimed:
+            task = asyncio.create_task(self._run_group(c, states.get(c.job_id)))
+            self._held[c.key] = _Held(c, task)
+
+    # --- one group ---------------------------------------------------------------------------
+
+    async def _run_group(self, c: Claimed, job_state: str | None) -> None:
+        try:
+            await self._serve(c, job_state)
+        except EngineDead as e:
+            # Stays held: shutdown hands it back, counted as a delivery, with the error.
+            self._fatal = e
+            self._stopping.set()
+            self._hurry.set()
+            return
+        except Exception as e:  # a bug or Redis trouble: hand it back, counted, with the error
+            log.exception("group %s/%s failed unexpectedly; handing it back", c.job_id, c.group_index)
+            await self._release_quietly([c], error=f"{type(e).__name__}: {e}", refund=False)
+        self._held.pop(c.key, None)
+        self._slot_freed.set()
+
+    async def _serve(self, c: Claimed, job_state: str | None) -> None:
+        if c.deliveries > self.max_deliveries:
+            why = c.last_error or "its lease lapsed each time (worker died or stalled)"
+            return await self._fail(c, f"gave up after {c.deliveries - 1} deliveries; last error: {why}",
+                                    dead=True)
+        if c.data is None:
+            return await self._fail(c, "work entry has no payload field 'd'", dead=True)
+        try:
+            item = decode_item(c.data)
+        except InvalidInput as e:
+            header = peek_header(c.data)
+            if header is not None and c.job_id is None:
+                c.job_id, c.group_index = header.job_id, header.group_index
+            return await self._fail(c, str(e), dead=True)
+        c.job_id, c.group_index = item.job_id, item.group_index
+        if job_state == "cancelled":
+            return await self._finish(c, GroupResult(item.job_id, item.group_index, "cancelled",
+                                                     reason="job cancelled", prompt=item.prompt))
+        result = await self._generate(item)
+        await self._finish(c, result)
+
+    async def _generate(self, item) -> GroupResult:
+        deadline = item.deadline - time.time() if item.deadline else None
+        partial = dict(job_id=item.job_id, group_index=item.group_index, prompt=item.prompt,
+                       worker_id=self.worker_id)
+        if deadline is not None and deadline <= 0:
+            return GroupResult(status="expired", reason="deadline passed before generation", **partial)
+        started = time.time()
+        try:
+            async with asyncio.timeout(deadline):
+                async with self._engine_slots:
+                    started = time.time()
+                    samples = await self.engine.generate_group(item)
+        except TimeoutError:
+            return GroupResult(status="expired", reason="deadline passed during generation", **partial)
+        except GroupError as e:
+            return GroupResult(status="failed", reason=str(e), **partial)
+        return GroupResult(status="ok", samples=samples, queued_s=max(0.0, started - item.submitted_at),
+                           generation_s=time.time() - started, finished_at=time.time(), **partial)
+
+    async def _fail(self, c: Claimed, reason: str, *, dead: bool) -> None:
+        log.warning("group %s/%s failed: %s", c.job_id, c.group_index, reason)
+        result = GroupResult(c.job_id or "", -1 if c.group_index is None else c.group_index,
+                             "failed", reason=reason, worker_id=self.worker_id)
+        await self._finish(c, result, dead_reason=reason if dead else "")
+
+    async def _finish(self, c: Claimed, result: GroupResult, dead_reason: str = "") -> None:
+        outcome = await self.queue.finish(c, result.status, encode(result), dead_reason=dead_reason)
+        if outcome != "ok":
+            log.warning("group %s/%s: result not written (%s)", c.job_id, c.group_index, outcome)
+
+    # --- leases, cancellation, shutdown ------------------------------------------------------
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                await self._renew_once()
+                await self.heartbeat.beat(version=self.engine.version, inflight=len(self._held),
+                                          state="stopping" if self._stopping.is_set() else "serving")
+            except RedisError as e:
+                log.warning("lease renewal failed (%s); fencing protects the results", e)
+
+    async def _renew_once(self) -> None:
+        held = list(self._held.values())
+        if not held:
+            return
+        for c in await self.queue.renew([h.claimed for h in held]):
+            log.warning("lease of group %s/%s was taken over; dropping it", c.job_id, c.group_index)
+            lost = self._held.pop(c.key, None)
+            if lost:
+                lost.task.cancel()
+        states = await self.queue.job_states({h.claimed.job_id for h in held if h.claimed.job_id})
+        for h in held:
+            if states.get(h.claimed.job_id) == "cancelled" and self._held.get(h.claimed.key) is h:
+                h.task.cancel()
+                await asyncio.gather(h.task, return_exceptions=True)
+                c = h.claimed
+                await self._finish(c, GroupResult(c.job_id, c.group_index or 0, "cancelled",
+                                                  reason="job cancelled", worker_id=self.worker_id))
+                self._held.pop(c.key, None)
+                self._slot_freed.set()
+
+    async def _drain(self) -> None:
+        running = [h.task for h in self._held.values() if not h.task.done()]
+        if running and not self._hurry.is_set():
+            log.info("stopping: waiting up to %.0f s for %d groups", self.grace_s, len(running))
+            await _first(asyncio.wait(running), self._hurry.wait(), timeout=self.grace_s)
+
+    async def _release_held(self) -> None:
+        left = list(self._held.values())
+        self._held.clear()
+        for h in left:
+            h.task.cancel()
+        await asyncio.gather(*(h.task for h in left), return_exceptions=True)
+        if left:
+            error = f"EngineDead: {self._fatal}" if self._fatal else ""
+            n = await self._release_quietly([h.claimed for h in left], error=error,
+                                            refund=self._fatal is None)
+            log.info("handed back %d of %d groups for other workers", n, len(left))
+
+    async def _release_quietly(self, items: list[Claimed], *, error: str, refund: bool) -> int:
+        try:
+            return await self.queue.release(items, error=error, refund=refund)
+        except RedisError as e:
+            log.warning("could not hand back %d groups (%s); their leases will lapse", len(items), e)
+            return 0
+
+
+async def _first(*aws, timeout: float | None = None) -> None:
+    """Wait until the first of `aws` completes (or `timeout`), cancelling the rest."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
