@@ -1,0 +1,167 @@
+"""Fixtures: a private real redis-server, clients, in-process workers and worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis as redis_sync
+
+from rollq.client import RolloutClient
+from rollq.engine.instant import InstantEngine
+from rollq.queue.connection import connect
+from rollq.queue.keys import Keys
+from rollq.queue.work import WorkQueue
+from rollq.worker.loop import Worker
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_redis(url: str, proc: subprocess.Popen | None, timeout_s: float = 10) -> None:
+    give_up = time.monotonic() + timeout_s
+    while True:
+        try:
+            redis_sync.Redis.from_url(url).ping()
+            return
+        except redis_sync.ConnectionError:
+            if (proc and proc.poll() is not None) or time.monotonic() > give_up:
+                raise RuntimeError(f"redis-server at {url} did not come up")
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> str:
+    """A private redis-server on a free loopback port; ROLLQ_TEST_REDIS_URL uses an existing one."""
+    if url := os.environ.get("ROLLQ_TEST_REDIS_URL"):
+        _wait_for_redis(url, None)
+        yield url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.exit("redis-server not found: run `make setup` (installs it) or set ROLLQ_TEST_REDIS_URL",
+                    returncode=2)
+    port = _free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    _wait_for_redis(url, proc)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def policy() -> str:
+    """A fresh policy name per test: its keys are its own namespace."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def redis(redis_url):
+    r = connect(redis_url)
+    yield r
+    await r.aclose()
+
+
+@pytest.fixture
+async def make_client(redis_url, policy):
+    made: list[RolloutClient] = []
+
+    def create(trainer_id: str = "trainer", **kwargs) -> RolloutClient:
+        kwargs.setdefault("policy", policy)
+        c = RolloutClient(redis_url, trainer_id=trainer_id, **kwargs)
+        made.append(c)
+        return c
+
+    yield create
+    for c in made:
+        await c.close()
+
+
+@pytest.fixture
+async def make_worker(redis_url, policy):
+    """In-process worker on the instant engine: create(**settings) -> (worker, task)."""
+    made: list[tuple[Worker, asyncio.Task, object]] = []
+
+    def create(worker_id: str | None = None, *, delay_s: float = 0.0, **settings):
+        settings = {"max_inflight": 8, "lease_s": 5.0, "max_deliveries": 3, "grace_s": 1.0,
+                    "poll_s": 0.1} | settings
+        r = connect(redis_url)
+        queue = WorkQueue(r, Keys(settings.pop("policy", policy)),
+                          worker_id or f"w-{uuid.uuid4().hex[:6]}", job_ttl_s=600)
+        w = Worker(queue, InstantEngine(delay_s=delay_s), **settings)
+        task = asyncio.create_task(w.run())
+        made.append((w, task, r))
+        return w, task
+
+    yield create
+    for w, task, r in made:
+        w.stop()
+        w.stop()
+        await asyncio.wait_for(task, 30)
+        await r.aclose()
+
+
+class WorkerProcess:
+    """`rollq worker` in its own process, with its log kept for assertions."""
+
+    def __init__(self, redis_url: str, policy: str, log_dir: Path, worker_id: str, **flags):
+        self.worker_id = worker_id
+        self.log_path = log_dir / f"{worker_id}.log"
+        args = [sys.executable, "-m", "rollq", "worker", "--redis-url", redis_url,
+                "--policy", policy, "--worker-id", worker_id]
+        for name, value in flags.items():
+            args += [f"--{name.replace('_', '-')}", str(value)]
+        env = os.environ | {"COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float = 30) -> int:
+        return self.proc.wait(timeout_s)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture
+def spawn_worker(redis_url, policy, tmp_path):
+    made: list[WorkerProcess] = []
+
+    def create(worker_id: str | None = None, **flags) -> WorkerProcess:
+        flags = {"engine": "instant", "poll_s": 0.1} | flags
+        p = WorkerProcess(redis_url, flags.pop("policy", policy), tmp_path,
+                          worker_id or f"p-{uuid.uuid4().hex[:6]}", **flags)
+        made.append(p)
+        return p
+
+    yield create
+    for p in made:
+        p.close()
