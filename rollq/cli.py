@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -10,7 +11,7 @@ import sys
 import click
 from rich.logging import RichHandler
 
-from rollq.config import WorkerSettings, default_worker_id
+from rollq.config import VLLMSettings, WorkerSettings, default_worker_id
 from rollq.protocol import InvalidInput
 from rollq.queue.connection import DEFAULT_URL
 
@@ -35,7 +36,8 @@ def main(log_level: str) -> None:
               help="Consumer name; default host-pid-random.")
 @click.option("--engine", envvar="ROLLQ_ENGINE", default="instant", show_default=True,
               type=click.Choice(["instant", "vllm"]))
-@click.option("--max-inflight", envvar="ROLLQ_MAX_INFLIGHT", default=32, show_default=True)
+@click.option("--max-inflight", envvar="ROLLQ_MAX_INFLIGHT", type=int, default=None,
+              help="Groups in flight at most [default: 32; vllm: --max-num-seqs].")
 @click.option("--lease-s", envvar="ROLLQ_LEASE_S", default=30.0, show_default=True)
 @click.option("--max-deliveries", envvar="ROLLQ_MAX_DELIVERIES", default=3, show_default=True)
 @click.option("--grace-s", envvar="ROLLQ_GRACE_S", default=30.0, show_default=True)
@@ -43,30 +45,74 @@ def main(log_level: str) -> None:
 @click.option("--job-ttl-s", envvar="ROLLQ_JOB_TTL_S", default=86_400, show_default=True)
 @click.option("--instant-delay-s", envvar="ROLLQ_INSTANT_DELAY_S", default=0.0, show_default=True,
               help="Instant engine only: seconds each group takes.")
+@click.option("--model", envvar="ROLLQ_MODEL", default=None, help="vLLM: local model directory.")
+@click.option("--dtype", envvar="ROLLQ_DTYPE", default="auto", show_default=True)
+@click.option("--max-model-len", envvar="ROLLQ_MAX_MODEL_LEN", type=int, default=None)
+@click.option("--max-num-seqs", envvar="ROLLQ_MAX_NUM_SEQS", default=256, show_default=True)
+@click.option("--gpu-memory-utilization", envvar="ROLLQ_GPU_MEMORY_UTILIZATION", default=0.9,
+              show_default=True)
+@click.option("--tensor-parallel-size", envvar="ROLLQ_TENSOR_PARALLEL_SIZE", default=1,
+              show_default=True)
+@click.option("--enforce-eager/--no-enforce-eager", envvar="ROLLQ_ENFORCE_EAGER", default=False,
+              show_default=True)
+@click.option("--seed", envvar="ROLLQ_SEED", default=0, show_default=True)
+@click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching",
+              envvar="ROLLQ_PREFIX_CACHING", default=True, show_default=True)
+@click.option("--logprobs-mode", envvar="ROLLQ_LOGPROBS_MODE", default="processed_logprobs",
+              show_default=True, type=click.Choice(["processed_logprobs", "raw_logprobs"]))
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="NAME=JSON",
+              help="Any other vLLM AsyncEngineArgs field, e.g. --engine-arg block_size=32.")
 def worker(**flags) -> None:
     """Serve one policy's queue with one engine."""
+    engine_flags = {name: flags.pop(name) for name in list(flags) if name in VLLMSettings.__struct_fields__}
     flags["worker_id"] = flags["worker_id"] or default_worker_id()
     try:
         settings = WorkerSettings(**flags).validate()
+        vllm_settings = None
+        if settings.engine == "vllm":
+            if not engine_flags["model"]:
+                raise InvalidInput("model", "--engine vllm needs --model DIR (a local model directory)")
+            engine_flags["engine_args"] = _parse_engine_args(engine_flags["engine_args"])
+            vllm_settings = VLLMSettings(**engine_flags).validate()
     except InvalidInput as e:
         raise click.BadParameter(str(e)) from None
-    sys.exit(asyncio.run(_serve(settings)))
+    sys.exit(asyncio.run(_serve(settings, vllm_settings)))
 
 
-async def _serve(s: WorkerSettings) -> int:
+def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise InvalidInput("engine_args", f"{pair!r} is not NAME=VALUE")
+        try:
+            out[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name] = value  # a bare string
+    return out
+
+
+async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
     from rollq.engine.instant import InstantEngine
     from rollq.queue.connection import connect
     from rollq.queue.keys import Keys
     from rollq.queue.work import WorkQueue
     from rollq.worker.loop import Worker
 
-    if s.engine == "vllm":
-        raise click.UsageError("the vLLM engine is not built yet; use --engine instant")
-    engine = InstantEngine(delay_s=s.instant_delay_s)
+    seq_budget = None
+    if vllm_settings is not None:
+        from rollq.engine.vllm import VLLMEngine
+
+        engine = VLLMEngine.start(vllm_settings)
+        seq_budget = vllm_settings.max_num_seqs
+    else:
+        engine = InstantEngine(delay_s=s.instant_delay_s)
     redis = connect(s.redis_url)
     queue = WorkQueue(redis, Keys(s.policy), s.worker_id, job_ttl_s=s.job_ttl_s)
-    w = Worker(queue, engine, max_inflight=s.max_inflight, lease_s=s.lease_s,
-               max_deliveries=s.max_deliveries, grace_s=s.grace_s, poll_s=s.poll_s)
+    max_inflight = s.max_inflight or seq_budget or 32
+    w = Worker(queue, engine, max_inflight=max_inflight, lease_s=s.lease_s,
+               max_deliveries=s.max_deliveries, grace_s=s.grace_s, poll_s=s.poll_s,
+               max_inflight_seqs=seq_budget)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, w.stop)

@@ -41,11 +41,15 @@ from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
 
 
-def group_prompts(prompts: Sequence[Sequence[int]], n: int, repeated: bool) -> list[list[int]]:
+Prompt = Sequence[int] | str
+"""Token ids, or text for workers whose model directory has a tokenizer."""
+
+
+def group_prompts(prompts: Sequence[Prompt], n: int, repeated: bool) -> list[list[int] | str]:
     """Unique prompts as given; with `repeated`, TRL-style runs of n equal prompts become one each."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise InvalidInput("prompts", "must be a list of token-id lists")
-    prompts = [list(p) for p in prompts]
+        raise InvalidInput("prompts", "must be a list of prompts (token-id lists or strings)")
+    prompts = [p if isinstance(p, str) else list(p) for p in prompts]
     if not repeated:
         return prompts
     if len(prompts) % n:
@@ -109,7 +113,7 @@ class RolloutClient:
 
     async def submit(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Prompt],
         n: int = 1,
         sampling: Sampling | dict[str, Any] | None = None,
         *,
@@ -151,7 +155,7 @@ class RolloutClient:
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.5)
 
-    def _encode_items(self, job_id: str, prompts: list[list[int]], n: int, sampling: Sampling,
+    def _encode_items(self, job_id: str, prompts: list[list[int] | str], n: int, sampling: Sampling,
                       deadline_s: float | None) -> list[tuple[bytes, float]]:
         if not prompts:
             raise InvalidInput("prompts", "is empty; submit at least one prompt")
@@ -166,15 +170,16 @@ class RolloutClient:
         deadline = now + deadline_s if deadline_s is not None else 0.0
         items = []
         for index, prompt in enumerate(prompts):
+            text = prompt if isinstance(prompt, str) else ""
             try:
-                packed = pack_tokens(prompt)
+                packed = b"" if text else pack_tokens(prompt)
             except (TypeError, OverflowError) as e:
                 raise InvalidInput(f"prompts[{index}]", f"token ids must be int32 integers ({e})") from None
-            item = WorkItem(job_id, index, packed, n, sampling, now, deadline)
+            item = WorkItem(job_id, index, packed, n, sampling, now, deadline, text)
             try:
                 validate_item(item)
             except InvalidInput as e:
-                field = f"prompts[{index}]" if e.field == "prompt" else e.field
+                field = f"prompts[{index}]" if e.field in ("prompt", "text") else e.field
                 raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
             items.append((encode(item), deadline))
         return items

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -26,8 +27,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     """Consumer name in the work streams; unique per process so leases are fenced."""
     engine: Literal["instant", "vllm"] = "instant"
     """`vllm` generates; `instant` returns deterministic tokens at once (load tests only)."""
-    max_inflight: int = 32
-    """Groups running on the engine at once."""
+    max_inflight: int | None = None
+    """Groups running on the engine at once (None: 32, or vLLM's max_num_seqs)."""
     lease_s: float = 30.0
     """A held group not renewed for this long may be taken over by another worker."""
     max_deliveries: int = 3
@@ -45,7 +46,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         check_id("policy", self.policy)
         check_id("worker_id", self.worker_id)
         limits = {
-            "max_inflight": (self.max_inflight, 1, 100_000),
+            "max_inflight": (self.max_inflight or 1, 1, 100_000),
             "lease_s": (self.lease_s, 0.5, 3600),
             "max_deliveries": (self.max_deliveries, 1, 1000),
             "grace_s": (self.grace_s, 0, 86_400),
@@ -57,3 +58,55 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             if not lo <= value <= hi:
                 raise InvalidInput(name, f"{name}={value} is out of range [{lo}, {hi}]")
         return self
+
+
+class VLLMSettings(msgspec.Struct, kw_only=True):
+    """How a worker builds its vLLM engine (`AsyncEngineArgs`)."""
+
+    model: str
+    """Local directory of the policy's weights (config.json + safetensors). Never downloaded."""
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    """Sequences the engine runs at once; the worker admits groups until their n fill it."""
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """`processed`: logprobs of the distribution tokens were sampled from (after temperature,
+    top-k/top-p), i.e. the behaviour policy; `raw`: of the model's unmodified logits."""
+    engine_args: dict[str, Any] = {}
+    """Any other `AsyncEngineArgs` field, passed through."""
+
+    def validate(self) -> VLLMSettings:
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise InvalidInput("model", f"{self.model!r} is not a model directory with config.json "
+                                        "(rollq never downloads models)")
+        if self.max_model_len is not None and not 1 <= self.max_model_len <= 10_000_000:
+            raise InvalidInput("max_model_len", f"max_model_len={self.max_model_len} is out of range")
+        if not 1 <= self.max_num_seqs <= 65_536:
+            raise InvalidInput("max_num_seqs", f"max_num_seqs={self.max_num_seqs} is out of range [1, 65536]")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidInput("gpu_memory_utilization", "must be in (0, 1]")
+        if not 1 <= self.tensor_parallel_size <= 1024:
+            raise InvalidInput("tensor_parallel_size", "must be between 1 and 1024")
+        from vllm import AsyncEngineArgs
+
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        for name in self.engine_args:
+            if name not in known:
+                raise InvalidInput(f"engine_args.{name}", "is not a field of vLLM's AsyncEngineArgs")
+        return self
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        has_tokenizer = any(os.path.exists(os.path.join(self.model, f))
+                            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        return dict(
+            model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, gpu_memory_utilization=self.gpu_memory_utilization,
+            tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
+            seed=self.seed, enable_prefix_caching=self.enable_prefix_caching,
+            logprobs_mode=self.logprobs_mode, skip_tokenizer_init=not has_tokenizer,
+        ) | self.engine_args

@@ -23,6 +23,8 @@ import msgspec
 MAX_N = 1024
 """Samples per group."""
 MAX_PROMPT_TOKENS = 131_072
+MAX_PROMPT_CHARS = 1_000_000
+"""A text prompt (workers with a tokenizer only)."""
 MAX_NEW_TOKENS = 131_072
 """`sampling.max_tokens`."""
 MAX_GROUP_TOKENS = 4_194_304
@@ -136,13 +138,18 @@ class WorkItem(msgspec.Struct, **_WIRE):
     submitted_at: float
     deadline: float = 0.0
     """Unix time after which the group ends `expired`; 0 means none."""
+    text: str = ""
+    """A text prompt instead of token ids (`prompt` empty); the worker's tokenizer encodes it."""
 
 
 class ItemHeader(msgspec.Struct, array_like=True):
-    """The first fields of a WorkItem, to name the group of an item that fails to decode."""
+    """The first fields of a WorkItem: to size a group before decoding it, and to name the group
+    of an item that fails to decode."""
 
     job_id: str
     group_index: int
+    prompt: msgspec.Raw
+    n: int
 
 
 class Sample(msgspec.Struct, **_WIRE):
@@ -157,6 +164,13 @@ class Sample(msgspec.Struct, **_WIRE):
     stop_reason: int | str | None = None
     versions: list[tuple[int, int]] = []
     """Version segments: (policy version, index of the first token it produced)."""
+    top_counts: bytes = b""
+    """Top-N logprobs (when asked for): uint8 entries per position, N, or N+1 when the sampled
+    token is not among the top N (it is then last)..."""
+    top_ids: bytes = b""
+    """...int32 token ids of all positions' entries, best rank first..."""
+    top_logprobs: bytes = b""
+    """...and their float32 logprobs."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -165,6 +179,16 @@ class Sample(msgspec.Struct, **_WIRE):
     @property
     def token_logprobs(self) -> list[float]:
         return unpack_floats(self.logprobs)
+
+    def top(self) -> list[list[tuple[int, float | None]]]:
+        """Per position: (token id, logprob) by rank; NaN becomes None."""
+        ids, values = unpack_tokens(self.top_ids), unpack_floats(self.top_logprobs)
+        out, at = [], 0
+        for count in self.top_counts:
+            out.append([(ids[i], None if math.isnan(values[i]) else values[i])
+                        for i in range(at, at + count)])
+            at += count
+        return out
 
 
 class GroupResult(msgspec.Struct, **_WIRE):
@@ -272,7 +296,13 @@ def validate_item(item: WorkItem) -> None:
     if not 0 <= item.group_index < MAX_JOB_GROUPS:
         raise InvalidInput("group_index", f"{item.group_index} is out of range [0, {MAX_JOB_GROUPS})")
     validate_n(item.n)
-    validate_prompt(item.prompt)
+    if item.text:
+        if item.prompt:
+            raise InvalidInput("prompt", "give token ids or text, not both")
+        if len(item.text) > MAX_PROMPT_CHARS:
+            raise InvalidInput("text", f"has {len(item.text)} characters; the limit is {MAX_PROMPT_CHARS}")
+    else:
+        validate_prompt(item.prompt)
     validate_sampling(item.sampling, item.n)
     extra_size = len(encode(item.sampling.extra))
     if extra_size > MAX_META_BYTES:

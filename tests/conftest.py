@@ -97,16 +97,16 @@ async def make_client(redis_url, policy):
 
 @pytest.fixture
 async def make_worker(redis_url, policy):
-    """In-process worker on the instant engine: create(**settings) -> (worker, task)."""
+    """In-process worker (instant engine unless `engine=`): create(**settings) -> (worker, task)."""
     made: list[tuple[Worker, asyncio.Task, object]] = []
 
-    def create(worker_id: str | None = None, *, delay_s: float = 0.0, **settings):
+    def create(worker_id: str | None = None, *, delay_s: float = 0.0, engine=None, **settings):
         settings = {"max_inflight": 8, "lease_s": 5.0, "max_deliveries": 3, "grace_s": 1.0,
                     "poll_s": 0.1} | settings
         r = connect(redis_url)
         queue = WorkQueue(r, Keys(settings.pop("policy", policy)),
                           worker_id or f"w-{uuid.uuid4().hex[:6]}", job_ttl_s=600)
-        w = Worker(queue, InstantEngine(delay_s=delay_s), **settings)
+        w = Worker(queue, engine or InstantEngine(delay_s=delay_s), **settings)
         task = asyncio.create_task(w.run())
         made.append((w, task, r))
         return w, task
@@ -165,3 +165,50 @@ def spawn_worker(redis_url, policy, tmp_path):
     yield create
     for p in made:
         p.close()
+
+
+# --- vLLM (CPU build): one tiny model and one engine per test session -------------------------
+
+ENGINE_MAX_MODEL_LEN = 256
+ENGINE_MAX_NUM_SEQS = 32
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from models import make_model
+
+    return make_model(tmp_path_factory.mktemp("model") / "v1")
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    """The Hugging Face transformers model the engine is checked against."""
+    from models import load_reference
+
+    return load_reference(tiny_model)
+
+
+def engine_flags(model: Path, dtype: str = "float32") -> dict:
+    return dict(model=str(model), dtype=dtype, max_model_len=ENGINE_MAX_MODEL_LEN,
+                max_num_seqs=ENGINE_MAX_NUM_SEQS, enforce_eager=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+async def vllm_engine(tiny_model):
+    """A float32 engine: matches the float32 reference exactly, so failures are real."""
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    engine = VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate())
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture
+def make_vllm_worker(make_worker, vllm_engine):
+    def create(worker_id: str | None = None, **settings):
+        settings = {"max_inflight": ENGINE_MAX_NUM_SEQS,
+                    "max_inflight_seqs": ENGINE_MAX_NUM_SEQS} | settings
+        return make_worker(worker_id, engine=vllm_engine, **settings)
+
+    return create

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from rollq.protocol import Sample, WorkItem
+
+
+class Generated(NamedTuple):
+    samples: list[Sample]
+    """All n samples of the group, in index order."""
+    prompt: bytes
+    """The prompt's int32 token ids as the engine saw them (tokenized, for text prompts)."""
 
 
 class GroupError(Exception):
@@ -25,7 +32,7 @@ class Engine(Protocol):
         """The policy version now loaded."""
         ...
 
-    async def generate_group(self, item: WorkItem) -> list[Sample]:
+    async def generate_group(self, item: WorkItem) -> Generated:
         """All `item.n` samples of one prompt group, from one engine request.
 
         Cancellation aborts the request and re-raises CancelledError.

