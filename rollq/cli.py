@@ -123,5 +123,38 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
         await redis.aclose()
 
 
+@main.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True))
+@click.option("--workers", envvar="ROLLQ_WORKERS", default=1, show_default=True,
+              help="Worker processes on this host.")
+@click.option("--gpus-per-worker", envvar="ROLLQ_GPUS_PER_WORKER", default=0, show_default=True,
+              help="GPU hosts: devices per worker (CUDA_VISIBLE_DEVICES, tensor-parallel size).")
+@click.option("--grace-s", envvar="ROLLQ_GRACE_S", default=30.0, show_default=True)
+@click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
+def pool(workers: int, gpus_per_worker: int, grace_s: float, worker_args: tuple[str, ...]) -> None:
+    """Run WORKERS `rollq worker` processes, restart any that dies, stop all on SIGTERM.
+
+    Other options are passed to every worker, e.g. `rollq pool --workers 2 --engine vllm
+    --model DIR`.
+    """
+    from rollq.worker.pool import Pool
+
+    if not 1 <= workers <= 1024:
+        raise click.BadParameter(f"workers={workers} must be between 1 and 1024")
+    if gpus_per_worker < 0:
+        raise click.BadParameter("gpus_per_worker must be >= 0")
+    if any(a.startswith("--worker-id") for a in worker_args):
+        raise click.BadParameter("--worker-id: each pool worker names itself (host-pid-random)")
+    p = Pool(workers, [*worker_args, "--grace-s", str(grace_s)], gpus_per_worker=gpus_per_worker,
+             grace_s=grace_s)
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, p.stop)
+        return await p.run()
+
+    sys.exit(asyncio.run(run()))
+
+
 if __name__ == "__main__":
     main()

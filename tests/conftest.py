@@ -119,6 +119,20 @@ async def make_worker(redis_url, policy):
         await r.aclose()
 
 
+def cli_flags(flags: dict) -> list[str]:
+    """{"max_num_seqs": 32, "enforce_eager": True} -> ["--max-num-seqs", "32", "--enforce-eager"]"""
+    out = []
+    for name, value in flags.items():
+        flag = f"--{name.replace('_', '-')}"
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            out.append(f"--no-{name.replace('_', '-')}")
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 class WorkerProcess:
     """`rollq worker` in its own process, with its log kept for assertions."""
 
@@ -127,8 +141,7 @@ class WorkerProcess:
         self.log_path = log_dir / f"{worker_id}.log"
         args = [sys.executable, "-m", "rollq", "worker", "--redis-url", redis_url,
                 "--policy", policy, "--worker-id", worker_id]
-        for name, value in flags.items():
-            args += [f"--{name.replace('_', '-')}", str(value)]
+        args += cli_flags(flags)
         env = os.environ | {"COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)

@@ -143,3 +143,32 @@ async def test_worker_keeps_the_engine_full_without_hoarding(make_client, make_v
     assert {r.status for r in results} == {"ok"}
     assert peak_seqs >= 32, "the engine was never given max_num_seqs sequences"
     assert peak_groups <= 5, f"held {peak_groups} groups for a 4-group engine"
+
+
+BF16_LOGPROB_TOLERANCE = 0.05
+"""bf16 engine vs float32 reference: bf16 keeps 8 bits of mantissa (measured max error ~6e-3)."""
+
+
+@pytest.fixture(scope="module")
+async def bf16_engine(tiny_model):
+    from conftest import engine_flags
+
+    from rollq.config import VLLMSettings
+
+    engine = VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model, "bfloat16")).validate())
+    yield engine
+    await engine.close()
+
+
+async def test_bf16_engine_logprobs_within_bf16_tolerance(make_client, make_worker, bf16_engine,
+                                                          reference):
+    client = make_client()
+    make_worker(engine=bf16_engine, max_inflight=32, max_inflight_seqs=32)
+    await client.submit(PROMPTS, n=4, sampling={"temperature": 1.0, "max_tokens": 16, "seed": 3})
+    worst = 0.0
+    for result in await collect(client, len(PROMPTS)):
+        for sample in result.samples:
+            expected = token_logprobs(reference, result.prompt_ids, sample.token_ids)
+            worst = max(worst, *(abs(a - b) for a, b in zip(sample.token_logprobs, expected)))
+    print(f"bf16: max |logprob - reference| = {worst:.2e}")
+    assert worst < BF16_LOGPROB_TOLERANCE

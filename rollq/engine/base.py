@@ -32,6 +32,11 @@ class Engine(Protocol):
         """The policy version now loaded."""
         ...
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine can serve no more (checked before claiming work)."""
+        ...
+
     async def generate_group(self, item: WorkItem) -> Generated:
         """All `item.n` samples of one prompt group, from one engine request.
 

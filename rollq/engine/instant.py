@@ -31,6 +31,10 @@ class InstantEngine:
     def version(self) -> int:
         return self._version
 
+    @property
+    def alive(self) -> bool:
+        return True
+
     async def generate_group(self, item: WorkItem) -> Generated:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)

@@ -47,6 +47,10 @@ class VLLMEngine:
         return self._version
 
     @property
+    def alive(self) -> bool:
+        return self.llm is not None and not self.llm.errored
+
+    @property
     def max_num_seqs(self) -> int:
         return self.llm.vllm_config.scheduler_config.max_num_seqs
 

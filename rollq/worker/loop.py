@@ -92,6 +92,10 @@ class Worker:
         next_refresh = next_reclaim = 0.0
         reclaim_every = min(self.lease_s / 2, 5.0)
         while not self._stopping.is_set():
+            if not self.engine.alive:
+                self._fatal = EngineDead("the engine died")
+                self._stopping.set()
+                break
             free = self._free_slots()
             if free <= 0:
                 self._slot_freed.clear()

@@ -1,0 +1,121 @@
+"""Worker and pool processes on real vLLM engines: an engine that dies, a pool that restarts."""
+
+import asyncio
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from conftest import cli_flags, engine_flags
+from helpers import collect, wait_until
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+async def held_by(client, consumer: str) -> int:
+    info = await client.redis.xpending(client.keys.work("trainer"), "workers")
+    return {c["name"].decode(): c["pending"] for c in info["consumers"]}.get(consumer, 0)
+
+
+async def test_engine_core_killed_under_a_running_worker(make_client, spawn_worker,
+                                                         make_vllm_worker, tiny_model):
+    client = make_client()
+    doomed = spawn_worker("doomed", engine="vllm", lease_s=60, **engine_flags(tiny_model))
+    await client.submit([[1, i + 3] for i in range(12)], n=4, sampling={"max_tokens": 200})
+    await wait_until(lambda: held_by(client, "doomed"), timeout_s=120, what="doomed generating")
+    core = [p for p in descendants(doomed.proc.pid) if comm(p).startswith("VLLM::EngineCor")]
+    assert core, "no engine-core process under the worker"
+    finished_before = len(await client.take(12, timeout_s=0.1))
+    for pid in core:
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+    assert doomed.wait(timeout_s=60) == 1
+    assert "handed back" in doomed.log and "engine failed" in doomed.log
+    make_vllm_worker("rescuer", lease_s=60)
+    # Handed back, so taken at once: well inside the 60 s lease.
+    results = await collect(client, 12 - finished_before, timeout_s=50)
+    assert {r.worker_id for r in results} == {"rescuer"}
+    assert {r.status for r in results} == {"ok"}
+    assert await client.take(1, timeout_s=0.5) == []
+    assert await client.redis.xlen(client.keys.work("trainer")) == 0
+
+
+def pool_workers(pool: subprocess.Popen) -> list[int]:
+    return [p for p in descendants(pool.pid) if " worker " in cmdline(p) and "rollq" in cmdline(p)
+            and not comm(p).startswith("VLLM")]
+
+
+async def test_pool_restarts_a_killed_worker_and_stops_in_stages(make_client, make_vllm_worker,
+                                                                 redis_url, policy, tiny_model,
+                                                                 tmp_path):
+    client = make_client()
+    log_path = tmp_path / "pool.log"
+    with open(log_path, "w") as log:
+        pool = subprocess.Popen(
+            [sys.executable, "-m", "rollq", "pool", "--workers", "2", "--grace-s", "2",
+             "--redis-url", redis_url, "--policy", policy, "--engine", "vllm", "--poll-s", "0.2",
+             *cli_flags(engine_flags(tiny_model))],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        await wait_until(lambda: len(pool_workers(pool)) == 2, what="two workers")
+        first = pool_workers(pool)
+        await client.submit([[1, i + 3] for i in range(4)], n=2, sampling={"max_tokens": 8})
+        assert len(await collect(client, 4, timeout_s=120)) == 4  # the pool serves
+
+        victim = first[0]
+        subprocess.run(["kill", "-9", str(victim)], check=True)
+        await wait_until(lambda: "was killed by SIGKILL" in log_path.read_text(), what="log line")
+        await wait_until(lambda: len(pool_workers(pool)) == 2 and victim not in pool_workers(pool),
+                         timeout_s=30, what="a replacement worker")
+        replacement = (set(pool_workers(pool)) - set(first)).pop()
+        await wait_until(lambda: log_path.read_text().count("serving policy") == 3, timeout_s=90,
+                         what="the replacement's engine up")
+        job = await client.submit([[1, i + 3] for i in range(24)], n=8, sampling={"max_tokens": 16})
+        served = await collect(client, 24, timeout_s=180)
+        assert any(f"-{replacement}-" in r.worker_id for r in served), "replacement never served"
+        assert (await client.status(job)).ok == 24
+
+        await client.submit([[2, i + 3] for i in range(24)], n=8, sampling={"max_tokens": 150})
+        await wait_until(lambda: _pending(client), what="groups in flight")
+        pool.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(pool.wait, 60) == 0
+        assert pool_workers(pool) == []
+    finally:
+        if pool.poll() is None:
+            pool.kill()
+            pool.wait()
+    before = await client.take(24, timeout_s=1)
+    make_vllm_worker("after-pool")  # whatever the pool handed back is finished here
+    after = await collect(client, 24 - len(before), timeout_s=120)
+    assert Counter(r.group_index for r in before + after) == Counter(range(24))
+    log = log_path.read_text()
+    assert "restarting in" in log and "all workers stopped" in log
+
+
+async def _pending(client) -> bool:
+    info = await client.redis.xpending(client.keys.work("trainer"), "workers")
+    return info["pending"] > 0
