@@ -22,6 +22,7 @@ from rollq.queue.connection import connect
 from rollq.queue.keys import Keys
 from rollq.queue.work import WorkQueue
 from rollq.worker.loop import Worker
+from rollq.worker.pool import reap_group
 
 
 def _free_port() -> int:
@@ -144,7 +145,9 @@ class WorkerProcess:
         args += cli_flags(flags)
         env = os.environ | {"COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # Own process group, so that close() also ends the engine processes it started.
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
 
     @property
     def log(self) -> str:
@@ -161,6 +164,7 @@ class WorkerProcess:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
             self.proc.wait(10)
+        reap_group(self.proc.pid)
         self._log.close()
 
 

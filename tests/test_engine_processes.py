@@ -10,6 +10,8 @@ from pathlib import Path
 from conftest import cli_flags, engine_flags
 from helpers import collect, wait_until
 
+from rollq.worker.pool import reap_group
+
 
 def descendants(pid: int) -> list[int]:
     found = []
@@ -64,6 +66,18 @@ async def test_engine_core_killed_under_a_running_worker(make_client, spawn_work
     assert await client.redis.xlen(client.keys.work("trainer")) == 0
 
 
+def in_group(pgid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
 def pool_workers(pool: subprocess.Popen) -> list[int]:
     return [p for p in descendants(pool.pid) if " worker " in cmdline(p) and "rollq" in cmdline(p)
             and not comm(p).startswith("VLLM")]
@@ -89,6 +103,8 @@ async def test_pool_restarts_a_killed_worker_and_stops_in_stages(make_client, ma
         victim = first[0]
         subprocess.run(["kill", "-9", str(victim)], check=True)
         await wait_until(lambda: "was killed by SIGKILL" in log_path.read_text(), what="log line")
+        # Its engine core went with it (an orphaned one would hold the device).
+        await wait_until(lambda: not in_group(victim), timeout_s=10, what="the group reaped")
         await wait_until(lambda: len(pool_workers(pool)) == 2 and victim not in pool_workers(pool),
                          timeout_s=30, what="a replacement worker")
         replacement = (set(pool_workers(pool)) - set(first)).pop()
@@ -106,6 +122,8 @@ async def test_pool_restarts_a_killed_worker_and_stops_in_stages(make_client, ma
         assert pool_workers(pool) == []
     finally:
         if pool.poll() is None:
+            for worker in pool_workers(pool):
+                reap_group(worker)
             pool.kill()
             pool.wait()
     before = await client.take(24, timeout_s=1)

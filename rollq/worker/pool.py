@@ -26,6 +26,18 @@ def describe_exit(code: int) -> str:
     return "exited cleanly" if code == 0 else f"exited with code {code}"
 
 
+def reap_group(pgid: int) -> None:
+    """Kill what a dead worker leaves behind in its process group (its engine-core processes).
+
+    vLLM's engine core outlives a SIGKILLed parent, holding its memory (and, on a GPU, the
+    device): a restarted worker would find the device full.
+    """
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 class Pool:
     def __init__(
         self,
@@ -78,6 +90,7 @@ class Pool:
             started = time.monotonic()
             log.info("pool: worker %d started (pid %d)", slot, proc.pid)
             code = await proc.wait()
+            reap_group(proc.pid)
             if self._stopping.is_set():
                 log.info("pool: worker %d (pid %d) %s", slot, proc.pid, describe_exit(code))
                 return
