@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import click
 from rich.logging import RichHandler
@@ -45,6 +46,13 @@ def main(log_level: str) -> None:
 @click.option("--job-ttl-s", envvar="ROLLQ_JOB_TTL_S", default=86_400, show_default=True)
 @click.option("--instant-delay-s", envvar="ROLLQ_INSTANT_DELAY_S", default=0.0, show_default=True,
               help="Instant engine only: seconds each group takes.")
+@click.option("--swap-mode", envvar="ROLLQ_SWAP_MODE", default="drain", show_default=True,
+              type=click.Choice(["drain", "interrupt"]),
+              help="On a new version: finish running groups first, or cut and continue them.")
+@click.option("--pin-version", envvar="ROLLQ_PIN_VERSION", type=int, default=None,
+              help="Serve only this version (never follow the registry).")
+@click.option("--base-version", envvar="ROLLQ_BASE_VERSION", default=0, show_default=True,
+              help="Version of the weights the engine starts with.")
 @click.option("--model", envvar="ROLLQ_MODEL", default=None, help="vLLM: local model directory.")
 @click.option("--dtype", envvar="ROLLQ_DTYPE", default="auto", show_default=True)
 @click.option("--max-model-len", envvar="ROLLQ_MAX_MODEL_LEN", type=int, default=None)
@@ -99,25 +107,35 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
     from rollq.queue.work import WorkQueue
     from rollq.worker.loop import Worker
 
-    seq_budget = None
+    from rollq.worker.swap import VersionFollower, load_pinned
+
+    seq_budget = base_schema = None
     if vllm_settings is not None:
         from rollq.engine.vllm import VLLMEngine
+        from rollq.registry.safetensors_check import dir_schema
 
-        engine = VLLMEngine.start(vllm_settings)
+        engine = VLLMEngine.start(vllm_settings, version=s.base_version)
         seq_budget = vllm_settings.max_num_seqs
+        base_schema = dir_schema(Path(vllm_settings.model))
     else:
-        engine = InstantEngine(delay_s=s.instant_delay_s)
+        engine = InstantEngine(delay_s=s.instant_delay_s, version=s.base_version)
     redis = connect(s.redis_url)
     queue = WorkQueue(redis, Keys(s.policy), s.worker_id, job_ttl_s=s.job_ttl_s)
     max_inflight = s.max_inflight or seq_budget or 32
     w = Worker(queue, engine, max_inflight=max_inflight, lease_s=s.lease_s,
                max_deliveries=s.max_deliveries, grace_s=s.grace_s, poll_s=s.poll_s,
-               max_inflight_seqs=seq_budget)
+               max_inflight_seqs=seq_budget, pinned=s.pin_version is not None)
+    follower = None
+    if s.pin_version is not None:
+        await load_pinned(w, w.registry, s.pin_version, base_schema)
+    else:
+        follower = VersionFollower(w, w.registry, mode=s.swap_mode, base_schema=base_schema,
+                                   poll_s=s.poll_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, w.stop)
     try:
-        return await w.run()
+        return await w.run(follower)
     finally:
         await engine.close()
         await redis.aclose()

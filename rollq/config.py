@@ -41,6 +41,12 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     """How long a finished job's record stays for `status` (and idempotent submit)."""
     instant_delay_s: float = 0.0
     """InstantEngine only: seconds each group takes."""
+    swap_mode: Literal["drain", "interrupt"] = "drain"
+    """How to swap to a new version: finish running groups first, or cut and continue them."""
+    pin_version: int | None = None
+    """Serve this version only (e.g. to evaluate a checkpoint); never follow the registry."""
+    base_version: int = 0
+    """The version of the weights the engine starts with (the model directory's)."""
 
     def validate(self) -> WorkerSettings:
         check_id("policy", self.policy)
@@ -53,6 +59,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             "poll_s": (self.poll_s, 0.01, 60),
             "job_ttl_s": (self.job_ttl_s, 1, 365 * 86_400),
             "instant_delay_s": (self.instant_delay_s, 0, 3600),
+            "base_version": (self.base_version, 0, 2**62),
+            "pin_version": (0 if self.pin_version is None else self.pin_version, 0, 2**62),
         }
         for name, (value, lo, hi) in limits.items():
             if not lo <= value <= hi:

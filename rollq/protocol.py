@@ -140,6 +140,12 @@ class WorkItem(msgspec.Struct, **_WIRE):
     """Unix time after which the group ends `expired`; 0 means none."""
     text: str = ""
     """A text prompt instead of token ids (`prompt` empty); the worker's tokenizer encodes it."""
+    min_version: int = 0
+    """Policy versions allowed to generate: at least this..."""
+    max_version: int | None = None
+    """...at most this (None: no upper bound)..."""
+    max_staleness: int | None = None
+    """...and at least (newest published version - max_staleness) when generation starts."""
 
 
 class ItemHeader(msgspec.Struct, array_like=True):
@@ -211,12 +217,33 @@ class GroupResult(msgspec.Struct, **_WIRE):
         return unpack_tokens(self.prompt)
 
 
+class FileDigest(msgspec.Struct, **_WIRE):
+    name: str
+    sha256: str
+    bytes: int
+
+
+class VersionEntry(msgspec.Struct, **_WIRE):
+    """A registered policy version: where its safetensors files are and what they must hash to."""
+
+    version: int
+    path: str
+    """Directory on a filesystem every worker sees."""
+    files: list[FileDigest]
+    bytes: int
+    created_at: float
+    publisher: str
+    owned: bool = True
+    """The weight store wrote this directory (retention may delete it); False: by reference."""
+
+
 # One encoder and one decoder per type per process, reused (msgspec's advice).
 encoder = msgspec.msgpack.Encoder()
 _item_decoder = msgspec.msgpack.Decoder(WorkItem)
 _header_decoder = msgspec.msgpack.Decoder(ItemHeader)
 _result_decoder = msgspec.msgpack.Decoder(GroupResult)
 _meta_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+_version_decoder = msgspec.msgpack.Decoder(VersionEntry)
 
 
 def encode(obj: Any) -> bytes:
@@ -291,11 +318,21 @@ def validate_n(n: Any) -> None:
         raise InvalidInput("n", f"n={n!r} must be an integer between 1 and {MAX_N}")
 
 
+def validate_window(min_version: int, max_version: int | None, max_staleness: int | None) -> None:
+    if not 0 <= min_version < 2**62:
+        raise InvalidInput("min_version", f"min_version={min_version} must be >= 0")
+    if max_version is not None and not min_version <= max_version < 2**62:
+        raise InvalidInput("max_version", f"max_version={max_version} is below min_version={min_version}")
+    if max_staleness is not None and not 0 <= max_staleness < 2**62:
+        raise InvalidInput("max_staleness", f"max_staleness={max_staleness} must be >= 0")
+
+
 def validate_item(item: WorkItem) -> None:
     check_id("job_id", item.job_id)
     if not 0 <= item.group_index < MAX_JOB_GROUPS:
         raise InvalidInput("group_index", f"{item.group_index} is out of range [0, {MAX_JOB_GROUPS})")
     validate_n(item.n)
+    validate_window(item.min_version, item.max_version, item.max_staleness)
     if item.text:
         if item.prompt:
             raise InvalidInput("prompt", "give token ids or text, not both")
@@ -391,3 +428,7 @@ def encode_meta(meta: dict[str, Any] | None) -> bytes:
 
 def decode_meta(data: bytes) -> dict[str, Any]:
     return _meta_decoder.decode(data) if data else {}
+
+
+def decode_version(data: bytes) -> VersionEntry:
+    return _version_decoder.decode(data)

@@ -44,8 +44,13 @@ class Engine(Protocol):
         """
         ...
 
-    async def swap(self, version: int, path: str) -> None:
-        """Load the weights of `version` from `path` (already verified) and serve them."""
+    async def swap(self, version: int, path: str, *, interrupt: bool = False) -> None:
+        """Load the weights of `version` from `path` (already verified) and serve them.
+
+        `interrupt`: running groups are cut and continue under the new weights (their samples
+        get one version segment per version); else they finish on the old weights first. On a
+        load error the engine serves its old version and the error is raised.
+        """
         ...
 
     async def close(self) -> None: ...

@@ -55,7 +55,7 @@ class InstantEngine:
         ]
         return Generated(samples, prompt)
 
-    async def swap(self, version: int, path: str) -> None:
+    async def swap(self, version: int, path: str, *, interrupt: bool = False) -> None:
         self._version = version
 
     async def close(self) -> None:

@@ -52,6 +52,8 @@ async def enqueue(
     quota: int,
     deadline: float,
     meta: bytes,
+    min_version: int = 0,
+    max_version: int | None = None,
 ) -> Enqueued:
     """Write the job record and one work entry per group in one round trip.
 
@@ -59,8 +61,9 @@ async def enqueue(
     """
     reply = await scripts.enqueue(
         keys=[keys.job(job_id), keys.work(trainer), keys.trainers, keys.outstanding(trainer),
-              keys.quotas],
-        args=[trainer, quota, len(items), time.time(), deadline, meta, job_id, *items],
+              keys.quotas, keys.bounded_jobs],
+        args=[trainer, quota, len(items), time.time(), deadline, meta, job_id, min_version,
+              "" if max_version is None else max_version, *items],
         client=redis,
     )
     verdict = reply[0].decode()

@@ -70,6 +70,26 @@ class Keys:
         return f"{self._p}:dead"
 
     @property
+    def versions(self) -> str:
+        """Hash version -> encoded VersionEntry: the weight registry."""
+        return f"{self._p}:versions"
+
+    @property
+    def latest(self) -> str:
+        """The newest registered version."""
+        return f"{self._p}:latest"
+
+    @property
+    def version_events(self) -> str:
+        """Pub/sub channel announcing each newly registered version."""
+        return f"{self._p}:version-events"
+
+    @property
+    def bounded_jobs(self) -> str:
+        """Set of unfinished jobs with a max_version: retention keeps the versions they need."""
+        return f"{self._p}:bounded-jobs"
+
+    @property
     def workers(self) -> str:
         """Sorted set of worker ids by time of their last heartbeat."""
         return f"{self._p}:workers"

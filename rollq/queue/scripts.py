@@ -12,7 +12,7 @@ from importlib import resources
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel")
+NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish")
 
 
 @cache
@@ -34,3 +34,4 @@ class Scripts:
     release: AsyncScript
     ack: AsyncScript
     cancel: AsyncScript
+    publish: AsyncScript

@@ -16,18 +16,20 @@ class WorkerState(msgspec.Struct, frozen=True):
     version: int
     inflight: int
     state: str
-    """`serving` or `stopping`."""
+    """`serving`, `draining` / `swapping` (a weight swap), or `stopping`."""
     at: float
     last_error: str = ""
+    pinned: bool = False
 
 
 class Heartbeat:
     def __init__(self, redis: Redis, keys: Keys, worker_id: str, *, ttl_s: float):
         self.redis, self.keys, self.worker_id, self.ttl_s = redis, keys, worker_id, ttl_s
 
-    async def beat(self, *, version: int, inflight: int, state: str, last_error: str = "") -> None:
+    async def beat(self, *, version: int, inflight: int, state: str, last_error: str = "",
+                   pinned: bool = False) -> None:
         now = time.time()
-        beat = WorkerState(self.worker_id, version, inflight, state, now, last_error)
+        beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.worker(self.worker_id), msgspec.json.encode(beat),
                      px=int(self.ttl_s * 1000))

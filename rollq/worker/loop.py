@@ -16,9 +16,17 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from rollq.engine.base import Engine, EngineDead, GroupError
-from rollq.protocol import MAX_N, GroupResult, InvalidInput, decode_item, encode, peek_header
+from rollq.protocol import (MAX_N, GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode,
+                            peek_header)
 from rollq.queue.work import Claimed, WorkQueue
-from rollq.worker.heartbeat import Heartbeat
+from rollq.registry.versions import Registry
+from rollq.worker.admission import Admission
+from rollq.worker.heartbeat import Heartbeat, live_workers
+from rollq.worker.windows import Decision, Verdict, decide, in_window
+
+WAIT_SWAP_RECHECK_S = 5.0
+"""A group waiting for this worker's swap re-checks its window at least this often."""
+PEERS_CACHE_S = 2.0
 
 log = logging.getLogger("rollq.worker")
 
@@ -41,6 +49,7 @@ class Worker:
         grace_s: float,
         poll_s: float,
         max_inflight_seqs: int | None = None,
+        pinned: bool = False,
     ):
         self.queue = queue
         self.engine = engine
@@ -52,7 +61,17 @@ class Worker:
         self.poll_s = poll_s
         self.max_inflight_seqs = max_inflight_seqs
         self._typical_n: int | None = None
+        self.pinned = pinned
         self.heartbeat = Heartbeat(queue.redis, queue.keys, self.worker_id, ttl_s=3 * lease_s)
+        self.registry = Registry(queue.redis, queue.keys, queue.scripts)
+        self.admission = Admission()
+        self.newest: int | None = None
+        """The newest registered version, as last seen."""
+        self.cannot_load: set[int] = set()
+        """Versions refused (checksum, header, load error): never retried."""
+        self.state = "serving"
+        self.last_error = ""
+        self._peers: tuple[float, set[int]] = (0.0, set())
         self._held: dict[tuple[str, str], _Held] = {}
         self._engine_slots = asyncio.Semaphore(max_inflight)
         self._slot_freed = asyncio.Event()
@@ -66,18 +85,27 @@ class Worker:
             self._hurry.set()
         self._stopping.set()
 
-    async def run(self) -> int:
-        """Serve until stopped; returns the process exit code (non-zero if the engine died)."""
-        log.info("worker %s serving policy %r", self.worker_id, self.queue.keys.policy)
-        renewing = asyncio.create_task(self._renew_loop(), name="renew")
+    async def run(self, follower=None) -> int:
+        """Serve until stopped; returns the process exit code (non-zero if the engine died).
+
+        `follower`: a VersionFollower that swaps the engine as new versions are published.
+        """
+        log.info("worker %s serving policy %r with version %d%s", self.worker_id,
+                 self.queue.keys.policy, self.engine.version, " (pinned)" if self.pinned else "")
+        background = [asyncio.create_task(self._renew_loop(), name="renew")]
+        if follower is not None:
+            background.append(asyncio.create_task(follower.run(), name="follow-versions"))
         try:
+            await self._beat()
             await self._feed_loop()
+            self.state = "stopping"
             await self._drain()
         finally:
             # Also on cancellation: nothing held may stay pending for a full lease.
             await self._release_held()
-            renewing.cancel()
-            await asyncio.gather(renewing, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await self.heartbeat.remove()
         if self._fatal:
             log.error("worker %s stopped: engine failed: %s", self.worker_id, self._fatal)
@@ -183,10 +211,14 @@ class Worker:
         if job_state == "cancelled":
             return await self._finish(c, GroupResult(item.job_id, item.group_index, "cancelled",
                                                      reason="job cancelled", prompt=item.prompt))
-        result = await self._generate(item)
+        result = await self._generate(c.key, item)
+        if result is None:  # another worker (or a later version) serves it
+            await self._release_quietly([c], error="", refund=True)
+            return
         await self._finish(c, result)
 
-    async def _generate(self, item) -> GroupResult:
+    async def _generate(self, key: tuple[str, str], item: WorkItem) -> GroupResult | None:
+        """Generate the group under a version in its window; None: hand it back."""
         deadline = item.deadline - time.time() if item.deadline else None
         partial = dict(job_id=item.job_id, group_index=item.group_index, prompt=item.prompt,
                        worker_id=self.worker_id)
@@ -195,17 +227,49 @@ class Worker:
         started = time.time()
         try:
             async with asyncio.timeout(deadline):
-                async with self._engine_slots:
-                    started = time.time()
-                    generated = await self.engine.generate_group(item)
+                while True:
+                    async with self._engine_slots, self.admission.generation(key, item):
+                        verdict = await self._decide(item)
+                        if verdict.decision is Decision.SERVE:
+                            started = time.time()
+                            generated = await self.engine.generate_group(item)
+                            break
+                    if verdict.decision is Decision.WAIT_SWAP:
+                        await self.admission.changed(WAIT_SWAP_RECHECK_S)
+                        continue
+                    if verdict.decision is Decision.PASS:
+                        return None
+                    return GroupResult(status="failed", reason=verdict.reason, **partial)
         except TimeoutError:
             return GroupResult(status="expired", reason="deadline passed during generation", **partial)
         except GroupError as e:
             return GroupResult(status="failed", reason=str(e), **partial)
+        outside = _outside_window(item, generated.samples)
+        if outside:  # must never happen: refuse to deliver rather than mislabel
+            log.error("group %s/%s: %s", item.job_id, item.group_index, outside)
+            return GroupResult(status="failed", reason=f"internal error: {outside}", **partial)
         partial["prompt"] = generated.prompt
         return GroupResult(status="ok", samples=generated.samples,
                            queued_s=max(0.0, started - item.submitted_at),
                            generation_s=time.time() - started, finished_at=time.time(), **partial)
+
+    async def _decide(self, item: WorkItem) -> Verdict:
+        newest = self.newest
+        if item.max_staleness is not None:  # "newest" must be exact when staleness is bounded
+            newest = self.newest = await self.registry.latest()
+        loaded = self.engine.version
+        if in_window(item, loaded, loaded if newest is None else max(newest, loaded)):
+            return Verdict(Decision.SERVE)
+        return decide(item, loaded=loaded, pinned=self.pinned, newest=newest,
+                      pinned_elsewhere=await self._pinned_peers(), cannot_load=self.cannot_load)
+
+    async def _pinned_peers(self) -> set[int]:
+        at, versions = self._peers
+        if time.monotonic() - at > PEERS_CACHE_S:
+            versions = {w.version for w in await live_workers(self.queue.redis, self.queue.keys)
+                        if w.pinned and w.worker_id != self.worker_id}
+            self._peers = (time.monotonic(), versions)
+        return versions
 
     async def _fail(self, c: Claimed, reason: str, *, dead: bool) -> None:
         log.warning("group %s/%s failed: %s", c.job_id, c.group_index, reason)
@@ -225,10 +289,13 @@ class Worker:
             await asyncio.sleep(self.lease_s / 3)
             try:
                 await self._renew_once()
-                await self.heartbeat.beat(version=self.engine.version, inflight=len(self._held),
-                                          state="stopping" if self._stopping.is_set() else "serving")
+                await self._beat()
             except RedisError as e:
                 log.warning("lease renewal failed (%s); fencing protects the results", e)
+
+    async def _beat(self) -> None:
+        await self.heartbeat.beat(version=self.engine.version, inflight=len(self._held),
+                                  state=self.state, last_error=self.last_error, pinned=self.pinned)
 
     async def _renew_once(self) -> None:
         held = list(self._held.values())
@@ -274,6 +341,14 @@ class Worker:
         except RedisError as e:
             log.warning("could not hand back %d groups (%s); their leases will lapse", len(items), e)
             return 0
+
+
+def _outside_window(item: WorkItem, samples: list[Sample]) -> str:
+    for i, sample in enumerate(samples):
+        for version, _ in sample.versions:
+            if version < item.min_version or (item.max_version is not None and version > item.max_version):
+                return f"sample {i} has tokens of version {version}, outside [{item.min_version}, {item.max_version}]"
+    return ""
 
 
 async def _first(*aws, timeout: float | None = None) -> None:

@@ -1,0 +1,153 @@
+"""The weight store: safetensors files on a filesystem every worker sees, written atomically.
+
+A version is written into a private temp directory, every file fsynced and hashed (sha256), a
+`COMMITTED` manifest written last, then the directory renamed into place and its parent fsynced:
+a reader never sees a half-written version. Directory names are unique per write, so two
+concurrent publishers of one version never collide; the registry's compare-and-set picks one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rollq.protocol import FileDigest
+from rollq.registry.safetensors_check import WeightError, check_header
+
+COMMIT_MARKER = "COMMITTED"
+UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".npy", ".npz")
+"""Formats that unpickle (or may) on load: never registered, never loaded."""
+_CHUNK = 8 * 1024 * 1024
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def refuse_unsafe(path: Path) -> None:
+    for f in path.iterdir():
+        if f.suffix in UNSAFE_SUFFIXES:
+            raise WeightError(f"{f.name}: pickle-based weight files are refused; use safetensors")
+
+
+def weight_files(path: Path) -> list[Path]:
+    refuse_unsafe(path)
+    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
+    if not files:
+        raise WeightError(f"{path}: no .safetensors files")
+    return files
+
+
+def digest_dir(path: Path) -> list[FileDigest]:
+    """Hash the safetensors files of a directory in place (publish by reference)."""
+    out = []
+    for f in weight_files(path):
+        check_header(f)
+        out.append(FileDigest(f.name, sha256_file(f), f.stat().st_size))
+    return out
+
+
+class WeightStore:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+
+    def _write(self, policy: str, version: int, fill) -> tuple[Path, list[FileDigest]]:
+        """`fill(tmp_dir)` writes the safetensors files; the rest makes them a committed version."""
+        parent = self.root / policy
+        parent.mkdir(parents=True, exist_ok=True)
+        name = f"v{version:010d}-{uuid.uuid4().hex[:8]}"
+        tmp = parent / f".tmp-{name}"
+        tmp.mkdir()
+        try:
+            fill(tmp)
+            files = []
+            for f in weight_files(tmp):
+                check_header(f)
+                _fsync_file(f)
+                files.append(FileDigest(f.name, sha256_file(f), f.stat().st_size))
+            manifest = {"version": version, "files": [[d.name, d.sha256, d.bytes] for d in files],
+                        "committed_at": time.time()}
+            marker = tmp / COMMIT_MARKER
+            marker.write_text(json.dumps(manifest))
+            _fsync_file(marker)
+            _fsync_dir(tmp)
+            final = parent / name
+            os.rename(tmp, final)
+            _fsync_dir(parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final, files
+
+    def write_tensors(self, policy: str, version: int,
+                      tensors: dict[str, Any]) -> tuple[Path, list[FileDigest]]:
+        from safetensors.torch import save_file
+
+        def fill(tmp: Path) -> None:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+        return self._write(policy, version, fill)
+
+    def copy_dir(self, policy: str, version: int, source: Path) -> tuple[Path, list[FileDigest]]:
+        files = weight_files(source)
+
+        def fill(tmp: Path) -> None:
+            for f in files:
+                shutil.copyfile(f, tmp / f.name)
+
+        return self._write(policy, version, fill)
+
+    def delete(self, path: str | Path) -> None:
+        """Remove a version directory this store wrote (never one published by reference)."""
+        path = Path(path).resolve()
+        if self.root not in path.parents or not (path / COMMIT_MARKER).exists():
+            raise WeightError(f"{path} is not a committed version of the store at {self.root}")
+        trash = path.with_name(f".trash-{path.name}")
+        os.rename(path, trash)  # atomic: no reader sees a half-deleted version
+        shutil.rmtree(trash)
+
+
+def verify(path: str | Path, files: list[FileDigest]) -> None:
+    """Before a worker loads a version: exactly the registered files, sizes, hashes, headers."""
+    path = Path(path)
+    if not path.is_dir():
+        raise WeightError(f"{path}: version directory is missing")
+    refuse_unsafe(path)
+    present = {p.name for p in path.iterdir() if p.suffix == ".safetensors"}
+    expected = {d.name for d in files}
+    if present != expected:
+        raise WeightError(f"{path}: safetensors files {sorted(present)} differ from the registered "
+                          f"{sorted(expected)}")
+    for d in files:
+        f = path / d.name
+        size = f.stat().st_size
+        if size != d.bytes:
+            raise WeightError(f"{d.name}: {size} bytes, registered {d.bytes} (truncated or replaced)")
+        check_header(f)
+        actual = sha256_file(f)
+        if actual != d.sha256:
+            raise WeightError(f"{d.name}: sha256 {actual[:12]}… does not match the registered "
+                              f"{d.sha256[:12]}… (corrupted or replaced)")

@@ -1,0 +1,48 @@
+"""Policy versions in Redis: strictly increasing, registered by compare-and-set, announced."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from rollq.protocol import VersionEntry, decode_version, encode
+from rollq.queue.keys import Keys
+from rollq.queue.scripts import Scripts
+
+
+class VersionConflict(Exception):
+    """A publish of a version not above the newest one (or a concurrent duplicate that lost)."""
+
+
+class Registry:
+    def __init__(self, redis: Redis, keys: Keys, scripts: Scripts | None = None):
+        self.redis = redis
+        self.keys = keys
+        self.scripts = scripts or Scripts(redis)
+
+    async def register(self, entry: VersionEntry) -> None:
+        verdict, latest = await self.scripts.publish(
+            keys=[self.keys.versions, self.keys.latest],
+            args=[entry.version, encode(entry), self.keys.version_events],
+            client=self.redis,
+        )
+        if verdict == b"stale":
+            raise VersionConflict(
+                f"policy {self.keys.policy!r}: version {entry.version} refused, the newest is "
+                f"{int(latest)}; versions must strictly increase")
+
+    async def latest(self) -> int | None:
+        value = await self.redis.get(self.keys.latest)
+        return None if value is None else int(value)
+
+    async def get(self, version: int) -> VersionEntry | None:
+        data = await self.redis.hget(self.keys.versions, str(version))
+        return None if data is None else decode_version(data)
+
+    async def entries(self) -> list[VersionEntry]:
+        found = await self.redis.hgetall(self.keys.versions)
+        return sorted((decode_version(v) for v in found.values()), key=lambda e: e.version)
+
+    async def unregister(self, version: int) -> None:
+        if version == await self.latest():
+            raise ValueError(f"version {version} is the newest: it cannot be removed")
+        await self.redis.hdel(self.keys.versions, str(version))

@@ -1,0 +1,51 @@
+"""The gate between held groups and the engine: closed while weights are swapped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from rollq.protocol import WorkItem
+
+
+class Admission:
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self.generating: dict[tuple[str, str], WorkItem] = {}
+        """Groups past the gate: deciding on their version window, or generating."""
+        self._changed = asyncio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def generation(self, key: tuple[str, str], item: WorkItem):
+        """Enter when the gate is open; a swap waits for the groups inside that it must drain."""
+        while not self._open.is_set():
+            await self._open.wait()
+        # No await between the check and the registration: a closing gate sees this group.
+        self.generating[key] = item
+        try:
+            yield
+        finally:
+            del self.generating[key]
+            self._notify()
+
+    async def close(self, blocking: Callable[[WorkItem], bool]) -> None:
+        """Close the gate, then wait until no group inside is one that `blocking` selects."""
+        self._open.clear()
+        while any(blocking(item) for item in self.generating.values()):
+            await self._changed.wait()
+
+    def reopen(self) -> None:
+        """Open the gate again; groups waiting for a version re-check theirs."""
+        self._open.set()
+        self._notify()
+
+    async def changed(self, timeout_s: float) -> None:
+        """Until the gate reopens or a group leaves (at most `timeout_s`)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)

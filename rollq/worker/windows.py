@@ -1,0 +1,66 @@
+"""Version gating: may this worker, with the version it has loaded, start this group now?"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from rollq.protocol import WorkItem
+
+
+class Decision(enum.Enum):
+    SERVE = "serve"
+    """The loaded version is in the group's window."""
+    WAIT_SWAP = "wait-swap"
+    """This worker is about to load a version in the window: hold the group until then."""
+    PASS = "pass"
+    """Another worker (or a version not yet published) can serve it: hand it back."""
+    FAIL = "fail"
+    """No worker can ever serve it."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    decision: Decision
+    reason: str = ""
+
+
+def in_window(item: WorkItem, version: int, newest: int) -> bool:
+    if version < item.min_version:
+        return False
+    if item.max_version is not None and version > item.max_version:
+        return False
+    return item.max_staleness is None or version >= newest - item.max_staleness
+
+
+def decide(item: WorkItem, *, loaded: int, pinned: bool, newest: int | None,
+           pinned_elsewhere: set[int], cannot_load: set[int]) -> Verdict:
+    """`newest`: the newest registered version (None: none yet, the base weights serve).
+
+    Workers that follow the registry serve the newest version and every later one; pinned
+    workers serve their version forever.
+    """
+    newest = loaded if newest is None else max(newest, loaded)
+    if in_window(item, loaded, newest):
+        return Verdict(Decision.SERVE)
+    if not pinned and loaded < newest and newest not in cannot_load and in_window(item, newest, newest):
+        return Verdict(Decision.WAIT_SWAP)
+    followers_can = item.max_version is None or item.max_version >= max(item.min_version, newest)
+    if followers_can or any(in_window(item, v, newest) for v in pinned_elsewhere):
+        return Verdict(Decision.PASS)
+    window = f"[{item.min_version}, {item.max_version}]"
+    return Verdict(Decision.FAIL, f"version window {window} can never be served: the newest version "
+                                  f"is {newest} and no live worker is pinned to a version in it")
+
+
+def interruptible(item: WorkItem, version: int) -> bool:
+    """May a running group be interrupted and continued, token-exactly, under `version`?
+
+    Not when the window excludes `version`, nor when continuing from "prompt + tokens so far"
+    would change the sampling: a regex restarts its automaton, presence/frequency penalties
+    count only generated tokens, and `extra` may hold anything.
+    """
+    if item.max_version is not None and item.max_version < version:
+        return False
+    s = item.sampling
+    return not s.regex and not s.extra and s.presence_penalty == 0 and s.frequency_penalty == 0
