@@ -23,6 +23,7 @@ from rollq.queue.keys import Keys
 from rollq.queue.work import WorkQueue
 from rollq.worker.loop import Worker
 from rollq.worker.pool import reap_group
+from rollq.worker.swap import VersionFollower
 
 
 def _free_port() -> int:
@@ -101,14 +102,20 @@ async def make_worker(redis_url, policy):
     """In-process worker (instant engine unless `engine=`): create(**settings) -> (worker, task)."""
     made: list[tuple[Worker, asyncio.Task, object]] = []
 
-    def create(worker_id: str | None = None, *, delay_s: float = 0.0, engine=None, **settings):
+    def create(worker_id: str | None = None, *, delay_s: float = 0.0, engine=None,
+               swap_mode: str = "drain", follow: bool = True, base_schema=None, **settings):
+        """`follow`: swap as versions are published (unless pinned)."""
         settings = {"max_inflight": 8, "lease_s": 5.0, "max_deliveries": 3, "grace_s": 1.0,
                     "poll_s": 0.1} | settings
         r = connect(redis_url)
         queue = WorkQueue(r, Keys(settings.pop("policy", policy)),
                           worker_id or f"w-{uuid.uuid4().hex[:6]}", job_ttl_s=600)
         w = Worker(queue, engine or InstantEngine(delay_s=delay_s), **settings)
-        task = asyncio.create_task(w.run())
+        follower = None
+        if follow and not w.pinned:
+            follower = VersionFollower(w, w.registry, mode=swap_mode, base_schema=base_schema,
+                                       poll_s=settings["poll_s"])
+        task = asyncio.create_task(w.run(follower))
         made.append((w, task, r))
         return w, task
 

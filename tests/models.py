@@ -30,9 +30,10 @@ def load_reference(path: Path) -> LlamaForCausalLM:
 
 @torch.no_grad()
 def greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy completion; like vLLM it ends with EOS (included) when EOS is the argmax."""
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                         min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+                         do_sample=False, pad_token_id=0, eos_token_id=model.config.eos_token_id)
     return out[0, len(prompt):].tolist()
 
 

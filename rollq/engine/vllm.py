@@ -54,3 +54,185 @@ class _SampleState:
             self.top += [_ranked(entries, token, top_n) for token, entries in zip(tokens, positions)]
         self.tokens += tokens
         self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
+
+    def to_sample(self, version: int) -> Sample:
+        counts, ids, values = bytearray(), array.array("i"), array.array("f")
+        for entries in self.top:
+            counts.append(len(entries))
+            ids.extend(t for t, _ in entries)
+            values.extend(v for _, v in entries)
+        return Sample(tokens=pack_tokens(self.tokens), logprobs=pack_floats(self.logprobs),
+                      finish_reason=self.finish_reason or "abort", stop_reason=self.stop_reason,
+                      versions=self.versions or [(version, 0)], top_counts=bytes(counts),
+                      top_ids=pack_tokens(ids), top_logprobs=pack_floats(values))
+
+
+class _Span(msgspec.Struct):
+    version: str
+    start: int
+    end: int
+
+
+def _ranked(entries: dict, token: int, top_n: int) -> list[tuple[int, float]]:
+    """vLLM gives the top N (ranks 1..N) plus the sampled token, whatever its rank."""
+    ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)
+    best = [(t, lp.logprob) for t, lp in ranked if lp.rank <= top_n][:top_n]
+    if all(t != token for t, _ in best):
+        best.append((token, entries[token].logprob))
+    return best
+
+
+class VLLMEngine:
+    def __init__(self, llm: Any, *, version: int = 0, has_tokenizer: bool = False,
+                 weights_path: str = ""):
+        self.llm = llm
+        self._version = version
+        self.has_tokenizer = has_tokenizer
+        self._weights_path = weights_path
+        self._labelled = False
+        # Interrupt swaps: a request that ends "abort" while a swap began after it was sent
+        # continues once the swap is done.
+        self._swaps_begun = 0
+        self._swaps_done = 0
+        self._swap_done = asyncio.Event()
+
+    @classmethod
+    def start(cls, settings: VLLMSettings, *, version: int = 0) -> VLLMEngine:
+        """Build the engine (starts vLLM's engine-core process; tens of seconds on CPU)."""
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU builds only read it
+        kwargs = settings.engine_kwargs()
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        return cls(llm, version=version, has_tokenizer=not kwargs["skip_tokenizer_init"],
+                   weights_path=settings.model)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def alive(self) -> bool:
+        return self.llm is not None and not self.llm.errored
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.llm.vllm_config.scheduler_config.max_num_seqs
+
+    async def generate_group(self, item: WorkItem) -> Generated:
+        params = sampling_params(item.sampling, item.n)
+        if item.text:
+            if not self.has_tokenizer:
+                raise GroupError("text prompt, but this worker's model has no tokenizer: send token ids")
+            prompt: dict[str, Any] = {"prompt": item.text}
+        else:
+            prompt = {"prompt_token_ids": unpack_tokens(item.prompt)}
+        request_id = f"{item.job_id}-{item.group_index}-{uuid.uuid4().hex[:8]}"
+        states = [_SampleState() for _ in range(item.n)]
+        final, version, epoch = await self._request(prompt, params, request_id)
+        prompt_ids = list(final.prompt_token_ids or [])
+        for c in final.outputs:
+            states[c.index].extend(c, version, item.sampling.logprobs)
+        while self._swaps_begun > epoch and any(st.finish_reason == "abort" for st in states):
+            # Cut by an interrupting swap: continue each cut sample under the new weights from
+            # prompt + its tokens so far (its KV is computed again by the new version).
+            cut = [i for i, st in enumerate(states) if st.finish_reason == "abort"]
+            outputs = await asyncio.gather(*(
+                self._continue(prompt_ids, states[i], i, item, request_id) for i in cut))
+            epoch = min(e for _, _, e in outputs)
+            for i, (completion, v, _) in zip(cut, outputs):
+                states[i].extend(completion, v, item.sampling.logprobs)
+        return Generated([st.to_sample(version) for st in states], pack_tokens(prompt_ids))
+
+    async def _request(self, prompt: dict, params: Any, request_id: str):
+        """One engine request -> (final output, version that ran it, swaps begun before it)."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        while self._swaps_done < self._swaps_begun:  # never send into a swap
+            await self._swap_done.wait()
+        if not self._labelled:  # vLLM labels sampled tokens with this from now on
+            await self.llm.update_weight_version(str(self._version))
+            self._labelled = True
+        version, epoch, final = self._version, self._swaps_begun, None
+        try:
+            # vLLM aborts the request itself when this task is cancelled, and re-raises.
+            async for output in self.llm.generate(prompt, params, request_id=request_id):
+                final = output
+        except EngineDeadError as e:
+            raise EngineDead(str(e)) from e
+        except (VLLMClientError, ValueError, TypeError) as e:  # this request's fault, not the engine's
+            raise GroupError(f"vLLM refused the request: {e}") from None
+        if final is None or not final.finished:
+            raise GroupError("vLLM returned no final output for the request")
+        return final, version, epoch
+
+    async def _continue(self, prompt_ids: list[int], state: _SampleState, index: int,
+                        item: WorkItem, request_id: str):
+        s = item.sampling
+        params = sampling_params(msgspec.structs.replace(
+            s, max_tokens=s.max_tokens - len(state.tokens),
+            seed=None if s.seed is None else (s.seed + 7919 * (index + 1) + len(state.tokens)) % 2**63,
+        ), 1)
+        final, version, epoch = await self._request(
+            {"prompt_token_ids": prompt_ids + state.tokens}, params,
+            f"{request_id}-{index}-{len(state.tokens)}")
+        return final.outputs[0], version, epoch
+
+    async def swap(self, version: int, path: str, *, interrupt: bool = False) -> None:
+        """Load `version` (already verified). `interrupt`: abort running requests, which then
+        continue under the new weights; else wait for them. On a load error the old weights are
+        loaded back and the error raised."""
+        llm = self.llm
+        self._swaps_begun += 1
+        try:
+            await llm.pause_generation(mode="abort" if interrupt else "wait", clear_cache=True)
+            try:
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            except Exception:
+                log.exception("loading version %d failed; loading version %d back", version,
+                              self._version)
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_path})
+                raise
+            await llm.update_weight_version(str(version))
+            self._version, self._weights_path, self._labelled = version, path, True
+            await llm.reset_prefix_cache()
+        finally:
+            await llm.resume_generation()
+            self._swaps_done += 1
+            done, self._swap_done = self._swap_done, asyncio.Event()
+            done.set()
+
+    async def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()
+            # AsyncLLM.__del__ calls shutdown() again, at interpreter exit when vLLM's module
+            # globals are gone ("'NoneType' object is not callable"): once is enough.
+            llm.shutdown = lambda *args, **kwargs: None
+
+
+def sampling_params(s: Sampling, n: int):
+    """The wire's sampling settings -> vLLM SamplingParams; invalid values raise GroupError."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    clash = _OWNED & s.extra.keys()
+    if clash:
+        raise GroupError(f"sampling.extra may not set {sorted(clash)}: use the sampling fields")
+    try:
+        return SamplingParams(
+            n=n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, max_tokens=s.max_tokens,
+            stop_token_ids=list(s.stop_token_ids), seed=s.seed,
+            # 0 still returns the sampled token's own logprob, which every sample carries.
+            logprobs=s.logprobs,
+            structured_outputs=StructuredOutputsParams(regex=s.regex) if s.regex else None,
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+            **s.extra,
+        )
+    except (VLLMClientError, ValueError, TypeError) as e:
+        raise GroupError(f"invalid sampling parameters: {e}") from None

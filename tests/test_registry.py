@@ -1,0 +1,236 @@
+"""Weight store and registry: atomic publish, refusal of bad weights, compare-and-set, retention,
+and version gating in the worker (instant engine: the queue logic, not generation)."""
+
+import asyncio
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import collect, wait_until
+from safetensors.torch import save_file
+
+from rollq.protocol import InvalidInput, Sampling, WorkItem, pack_tokens
+from rollq.registry.retention import retain
+from rollq.registry.safetensors_check import WeightError, check_compatible, check_header
+from rollq.registry.sources import clean_peft_names
+from rollq.registry.store import COMMIT_MARKER, WeightStore, sha256_file, verify
+from rollq.registry.versions import VersionConflict
+from rollq.worker.heartbeat import Heartbeat
+from rollq.worker.windows import Decision, decide
+
+TENSORS = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+           "b.bias": torch.ones(5, dtype=torch.bfloat16)}
+
+
+@pytest.fixture
+def weights_dir(tmp_path):
+    d = tmp_path / "weights"
+    d.mkdir()
+    save_file(TENSORS, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.fixture
+def make_publisher(make_client, tmp_path):
+    def create(trainer_id: str = "trainer", **kwargs):
+        return make_client(trainer_id, weight_store=str(tmp_path / "store"), **kwargs)
+
+    return create
+
+
+async def test_publish_copies_hashes_and_commits(make_publisher, weights_dir):
+    client = make_publisher()
+    entry = await client.publish_weights(1, weights_dir)
+    assert entry.owned and entry.version == 1 and entry.publisher == "trainer"
+    [f] = entry.files
+    assert f.sha256 == sha256_file(weights_dir / "model.safetensors")
+    manifest = json.loads((Path(entry.path) / COMMIT_MARKER).read_text())
+    assert manifest["files"] == [[f.name, f.sha256, f.bytes]]
+    verify(entry.path, entry.files)
+    assert await client.latest_version() == 1
+    assert (await client.registry.get(1)) == entry
+
+
+async def test_publish_by_reference_and_from_state_dict(make_publisher, weights_dir):
+    client = make_publisher()
+    by_ref = await client.publish_weights(1, weights_dir, copy=False)
+    assert by_ref.path == str(weights_dir) and not by_ref.owned
+    from_tensors = await client.publish_weights(2, {k: v * 2 for k, v in TENSORS.items()})
+    assert check_header(Path(from_tensors.path) / "model.safetensors") == {
+        "a.weight": ("F32", (3, 4)), "b.bias": ("BF16", (5,))}
+
+
+def test_peft_names_are_cleaned_as_vllm_expects():
+    names = {
+        "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight": 1,
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight": 2,
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight": 3,
+        "base_model.model.lm_head.modules_to_save.default.weight": 4,
+        "base_model.model.lm_head.original_module.weight": 5,
+        "base_model.model.model.norm.weight": 6,
+    }
+    assert clean_peft_names(names) == {"model.layers.0.self_attn.q_proj.weight": 1,
+                                       "lm_head.weight": 4, "model.norm.weight": 6}
+
+
+async def test_versions_strictly_increase(make_publisher, weights_dir):
+    client = make_publisher()
+    await client.publish_weights(3, weights_dir)
+    for stale in (3, 2):
+        with pytest.raises(VersionConflict, match=f"version {stale} refused, the newest is 3"):
+            await client.publish_weights(stale, weights_dir)
+    with pytest.raises(InvalidInput, match="version=-1"):
+        await client.publish_weights(-1, weights_dir)
+    assert [e.version for e in await client.registry.entries()] == [3]
+
+
+async def test_concurrent_publishers_of_one_version_exactly_one_wins(make_publisher, weights_dir,
+                                                                     tmp_path):
+    clients = [make_publisher(f"trainer-{i}") for i in range(4)]
+    outcomes = await asyncio.gather(*(c.publish_weights(5, weights_dir) for c in clients),
+                                    return_exceptions=True)
+    winners = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert len(winners) == 1
+    assert all(isinstance(o, VersionConflict) for o in outcomes if o not in winners)
+    assert (await clients[0].registry.get(5)) == winners[0]
+    # The losers' copies are gone; only the winner's directory is left.
+    left = [p for p in (tmp_path / "store").rglob("v*") if p.is_dir()]
+    assert [str(p) for p in left] == [winners[0].path]
+
+
+def forge(path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("offsets past the data", "outside the data"),
+    ("header length past the file", "does not fit"),
+    ("overlapping tensors", "overlapping or gapped"),
+    ("size mismatch", "needs 16"),
+    ("truncated", "outside the data"),
+])
+async def test_bad_headers_are_refused_at_publish(make_publisher, tmp_path, damage, message):
+    d = tmp_path / "bad"
+    d.mkdir()
+    f = d / "model.safetensors"
+    if damage == "offsets past the data":
+        forge(f, {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}, b"\0" * 16)
+    elif damage == "header length past the file":
+        f.write_bytes(struct.pack("<Q", 1 << 30) + b"{}")
+    elif damage == "overlapping tensors":
+        forge(f, {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                  "v": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, b"\0" * 16)
+    elif damage == "size mismatch":
+        forge(f, {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, b"\0" * 12)
+    else:
+        save_file(TENSORS, str(f))
+        f.write_bytes(f.read_bytes()[:-20])
+    client = make_publisher()
+    with pytest.raises(WeightError, match=message):
+        await client.publish_weights(1, d)
+    assert await client.latest_version() is None
+
+
+async def test_pickle_files_are_refused(make_publisher, weights_dir):
+    (weights_dir / "pytorch_model.bin").write_bytes(b"\x80\x04cos\nsystem\n.")
+    client = make_publisher()
+    for copy in (True, False):
+        with pytest.raises(WeightError, match="pickle-based weight files are refused"):
+            await client.publish_weights(1, weights_dir, copy=copy)
+    assert await client.latest_version() is None
+
+
+async def test_verify_catches_corruption_and_truncation_after_publish(make_publisher, weights_dir):
+    client = make_publisher()
+    entry = await client.publish_weights(1, weights_dir, copy=False)
+    f = weights_dir / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(WeightError, match="sha256 .* does not match"):
+        verify(entry.path, entry.files)
+    f.write_bytes(bytes(data[:-4]))
+    with pytest.raises(WeightError, match="truncated or replaced"):
+        verify(entry.path, entry.files)
+
+
+def test_new_versions_must_fit_the_served_model():
+    base = {"a": ("F32", (3, 4)), "b": ("F32", (5,))}
+    check_compatible({"a": ("BF16", (3, 4)), "b": ("F32", (5,))}, base, "v2")
+    with pytest.raises(WeightError, match="missing 1 tensors"):
+        check_compatible({"a": ("F32", (3, 4))}, base, "v2")
+    with pytest.raises(WeightError, match=r"'a' has shape \[4, 3\]"):
+        check_compatible({"a": ("F32", (4, 3)), "b": ("F32", (5,))}, base, "v2")
+
+
+async def test_retention_keeps_what_workers_and_unfinished_jobs_need(make_publisher, weights_dir,
+                                                                    redis, tmp_path):
+    client = make_publisher()
+    for v in range(1, 7):
+        await client.publish_weights(v, weights_dir)
+    await Heartbeat(redis, client.keys, "old-worker", ttl_s=30).beat(
+        version=2, inflight=0, state="serving")
+    job = await client.submit([[1]], exact_version=4)
+    done_job = await client.submit([[1]], exact_version=1)
+    await redis.hset(client.keys.job(done_job), "state", "done")
+    removed = await retain(redis, client.keys, WeightStore(tmp_path / "store"), keep=2)
+    assert removed == [1, 3]  # kept: 2 (a worker), 4 (an unfinished job), 5 and 6 (newest)
+    assert [e.version for e in await client.registry.entries()] == [2, 4, 5, 6]
+    assert len([p for p in (tmp_path / "store").rglob("v*") if p.is_dir()]) == 4
+    await client.cancel(job)
+    await redis.hset(client.keys.job(job), "state", "done")
+    assert await retain(redis, client.keys, WeightStore(tmp_path / "store"), keep=2) == [4]
+
+
+# --- version gating (pure) ---------------------------------------------------------------------
+
+def item(**window) -> WorkItem:
+    return WorkItem("j", 0, pack_tokens([1]), 1, Sampling(), 0.0, **window)
+
+
+@pytest.mark.parametrize("window, loaded, pinned, newest, peers, expected", [
+    (dict(), 0, False, None, set(), Decision.SERVE),
+    (dict(min_version=2), 1, False, 1, set(), Decision.PASS),        # v2 not published: wait
+    (dict(min_version=2), 1, False, 2, set(), Decision.WAIT_SWAP),   # about to swap to 2
+    (dict(min_version=2), 2, False, 2, set(), Decision.SERVE),
+    (dict(max_staleness=0), 2, False, 3, set(), Decision.WAIT_SWAP),
+    (dict(max_staleness=1), 2, False, 3, set(), Decision.SERVE),
+    (dict(max_staleness=0), 2, True, 3, set(), Decision.PASS),       # pinned: others serve it
+    (dict(min_version=1, max_version=1), 3, False, 3, {1}, Decision.PASS),
+    (dict(min_version=1, max_version=1), 1, True, 3, set(), Decision.SERVE),
+    (dict(min_version=1, max_version=1), 3, False, 3, set(), Decision.FAIL),
+    (dict(min_version=1, max_version=1), 3, False, 3, {2}, Decision.FAIL),
+])
+def test_decide(window, loaded, pinned, newest, peers, expected):
+    verdict = decide(item(**window), loaded=loaded, pinned=pinned, newest=newest,
+                     pinned_elsewhere=peers, cannot_load=set())
+    assert verdict.decision is expected
+    if expected is Decision.FAIL:
+        assert "can never be served" in verdict.reason
+
+
+async def test_window_no_worker_can_serve_fails_fast(make_publisher, make_worker, weights_dir):
+    client = make_publisher()
+    for v in (1, 2, 3):
+        await client.publish_weights(v, weights_dir)
+    make_worker()  # follows the registry (instant engine: a swap only changes its version)
+    await client.submit([[1]], exact_version=1)
+    [result] = await collect(client, 1, timeout_s=10)
+    assert result.status == "failed"
+    assert "version window [1, 1] can never be served: the newest version is 3" in result.reason
+
+
+async def test_min_version_waits_for_publish(make_publisher, make_worker, weights_dir):
+    client = make_publisher()
+    make_worker(lease_s=1.0)
+    await client.submit([[1, 2]], n=2, min_version=2, sampling={"max_tokens": 3})
+    assert await client.take(1, timeout_s=2.0) == []  # waits, not fails
+    await client.publish_weights(1, weights_dir)
+    assert await client.take(1, timeout_s=1.0) == []
+    await client.publish_weights(2, weights_dir)
+    [result] = await collect(client, 1, timeout_s=15)
+    assert result.status == "ok"
+    assert {s.versions[0][0] for s in result.samples} == {2}

@@ -1,0 +1,210 @@
+"""Versioned weights on real vLLM (CPU): publish while groups run, swap in both modes, gate every
+token by its job's window, refuse bad weights; checked against transformers under each version."""
+
+import asyncio
+from collections import Counter
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import engine_flags
+from helpers import collect, wait_until
+from models import greedy
+from transformers import LlamaForCausalLM
+
+from rollq.registry.safetensors_check import dir_schema
+from rollq.worker.heartbeat import live_workers
+
+GREEDY = {"temperature": 0.0, "max_tokens": 48}
+PROMPTS = [[1, 7 + 13 * i, 3 + i] for i in range(25)]
+
+
+def perturbed(base: dict, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+
+
+@pytest.fixture(scope="module")
+def versions(tiny_model, reference):
+    """Weights of v1 (the tiny model), v2 and v3 (perturbed), and a transformers model of each."""
+    base = {k: v.clone() for k, v in reference.state_dict().items()}
+    weights = {1: base, 2: perturbed(base, 2), 3: perturbed(base, 3)}
+    models = {}
+    for v, state in weights.items():
+        model = LlamaForCausalLM(reference.config).eval()
+        model.load_state_dict(state)
+        models[v] = model
+    return weights, models
+
+
+@pytest.fixture(scope="module")
+async def swap_engine(tiny_model):
+    """A float32 engine of its own (these tests swap it); it starts as version 1."""
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    engine = VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate(), version=1)
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture
+async def engine_v1(swap_engine, tiny_model):
+    """The module's engine, on version 1 (set before any worker of the test starts)."""
+    if swap_engine.version != 1:
+        await swap_engine.swap(1, str(tiny_model))
+    return swap_engine
+
+
+@pytest.fixture
+def follower(make_worker, engine_v1, tiny_model):
+    def create(**settings):
+        settings = {"max_inflight": 32, "max_inflight_seqs": 32, "lease_s": 5.0} | settings
+        return make_worker(engine=engine_v1, base_schema=dir_schema(tiny_model), **settings)[0]
+
+    return create
+
+
+@pytest.fixture
+def publisher(make_client, tmp_path):
+    return make_client(weight_store=str(tmp_path / "store"))
+
+
+class Reference:
+    """Greedy continuations under each version, cached (prompts repeat)."""
+
+    def __init__(self, models):
+        self.models = models
+        self.greedy = cache(self._greedy)
+
+    def _greedy(self, version: int, prefix: tuple[int, ...], count: int) -> tuple[int, ...]:
+        return tuple(greedy(self.models[version], list(prefix), count)) if count else ()
+
+    def check(self, prompt: list[int], sample) -> None:
+        """Each version segment continues greedily, under its version, what came before it."""
+        tokens = sample.token_ids
+        bounds = [start for _, start in sample.versions[1:]] + [len(tokens)]
+        for (version, start), end in zip(sample.versions, bounds):
+            expected = self.greedy(version, tuple(prompt + tokens[:start]), end - start)
+            assert tuple(tokens[start:end]) == expected, f"segment of version {version} at {start}"
+
+
+@pytest.mark.parametrize("mode", ["drain", "interrupt"])
+async def test_publish_while_200_groups_run(mode, publisher, follower, versions):
+    weights, models = versions
+    follower(swap_mode=mode)
+    await publisher.submit([p for p in PROMPTS for _ in range(8)], n=1, sampling=GREEDY)
+    results = await collect(publisher, 24, timeout_s=120)
+    await publisher.publish_weights(2, weights[2])
+    results += await collect(publisher, 200 - 24, timeout_s=240)
+    assert Counter(r.group_index for r in results) == Counter(range(200))
+    reference = Reference(models)
+    segments = Counter()
+    for r in results:
+        assert r.status == "ok", r.reason
+        [sample] = r.samples
+        reference.check(r.prompt_ids, sample)
+        segments[tuple(v for v, _ in sample.versions)] += 1
+    print(mode, dict(segments))
+    assert segments[(1,)] > 0 and segments[(2,)] > 0
+    if mode == "drain":
+        assert set(segments) == {(1,), (2,)}
+    else:
+        assert segments[(1, 2)] > 0, "no sample was cut by the swap"
+        assert set(segments) <= {(1,), (2,), (1, 2)}
+
+
+async def test_min_version_waits_and_never_gets_an_older_token(publisher, follower, versions):
+    weights, models = versions
+    follower(lease_s=1.0)
+    await publisher.submit(PROMPTS[:6], n=1, sampling=GREEDY, min_version=2)
+    assert await publisher.take(1, timeout_s=3) == []  # waits while v2 is unpublished
+    await publisher.publish_weights(2, weights[2])
+    results = await collect(publisher, 6, timeout_s=60)
+    reference = Reference(models)
+    for r in results:
+        assert r.status == "ok" and r.samples[0].versions == [(2, 0)]
+        reference.check(r.prompt_ids, r.samples[0])
+
+
+async def test_zero_staleness_is_not_served_by_a_worker_still_on_the_old_version(
+        publisher, follower, versions):
+    weights, models = versions
+    worker = follower(swap_mode="drain")
+    await publisher.publish_weights(2, weights[2])
+    await wait_until(lambda: worker.engine.version == 2, what="swap to v2")
+    # Long groups keep the worker on v2 for a while after v3 is published (drain mode).
+    await publisher.submit(PROMPTS[:8], n=1, sampling={"temperature": 0.0, "max_tokens": 200})
+    await wait_until(lambda: len(worker.admission.generating) >= 8, what="long groups running")
+    await publisher.publish_weights(3, weights[3])
+    fresh = await publisher.submit(PROMPTS[8:14], n=1, sampling=GREEDY, max_staleness=0)
+    results = await collect(publisher, 14, timeout_s=120)
+    reference = Reference(models)
+    for r in results:
+        expected = [(3, 0)] if r.job_id == fresh else [(2, 0)]
+        assert r.samples[0].versions == expected
+        reference.check(r.prompt_ids, r.samples[0])
+
+
+async def test_pinned_worker_serves_its_version_while_the_pool_moves_on(
+        publisher, follower, spawn_worker, tiny_model, versions, redis):
+    weights, models = versions
+    await publisher.publish_weights(1, tiny_model)
+    worker = follower()
+    await publisher.publish_weights(2, weights[2])
+    await publisher.publish_weights(3, weights[3])
+    await wait_until(lambda: worker.engine.version == 3, what="pool on v3")
+    pinned = spawn_worker("pinned", engine="vllm", pin_version=1, base_version=0,
+                          lease_s=3, **engine_flags(tiny_model))
+    await wait_until(lambda: _pinned_at(redis, publisher.keys, 1), timeout_s=120,
+                     what="pinned worker up")
+    old = await publisher.submit(PROMPTS[:6], n=1, sampling=GREEDY, exact_version=1)
+    new = await publisher.submit(PROMPTS[6:12], n=1, sampling=GREEDY)
+    results = await collect(publisher, 12, timeout_s=120)
+    reference = Reference(models)
+    for r in results:
+        assert r.status == "ok", r.reason
+        if r.job_id == old:
+            assert r.worker_id == "pinned" and r.samples[0].versions == [(1, 0)]
+        else:
+            assert r.job_id == new and r.samples[0].versions == [(3, 0)]
+        reference.check(r.prompt_ids, r.samples[0])
+    pinned.signal(15)
+    assert await asyncio.to_thread(pinned.wait, 60) == 0
+    await publisher.submit(PROMPTS[:2], n=1, sampling=GREEDY, exact_version=1)
+    failed = await collect(publisher, 2, timeout_s=30)
+    assert {r.status for r in failed} == {"failed"}
+    assert "no live worker is pinned" in failed[0].reason
+
+
+async def _pinned_at(redis, keys, version) -> bool:
+    return any(w.pinned and w.version == version for w in await live_workers(redis, keys))
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "truncated"])
+async def test_damaged_weights_are_refused_and_the_old_version_serves(
+        damage, publisher, follower, versions, tmp_path, make_worker):
+    from safetensors.torch import save_file
+
+    weights, models = versions
+    directory = tmp_path / "v2"
+    directory.mkdir()
+    save_file({k: v.contiguous() for k, v in weights[2].items()}, str(directory / "model.safetensors"))
+    entry = await publisher.publish_weights(2, directory, copy=False)  # no worker is running yet
+    f = Path(entry.path) / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    if damage == "corrupted":
+        data[len(data) // 2] ^= 0x40
+    else:
+        del data[-1000:]
+    f.write_bytes(bytes(data))
+    worker = follower()
+    await wait_until(lambda: 2 in worker.cannot_load, what="v2 refused")
+    assert worker.engine.version == 1
+    assert ("sha256" if damage == "corrupted" else "truncated") in worker.last_error
+    await publisher.submit(PROMPTS[:4], n=1, sampling=GREEDY)
+    reference = Reference(models)
+    for r in await collect(publisher, 4, timeout_s=60):  # the v1 weights are intact
+        assert r.samples[0].versions == [(1, 0)]
+        reference.check(r.prompt_ids, r.samples[0])
