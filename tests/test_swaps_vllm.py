@@ -120,7 +120,7 @@ async def test_min_version_waits_and_never_gets_an_older_token(publisher, follow
     follower(lease_s=1.0)
     await publisher.submit(PROMPTS[:6], n=1, sampling=GREEDY, min_version=2)
     assert await publisher.take(1, timeout_s=3) == []  # waits while v2 is unpublished
-    await publisher.publish_weights(2, weights[2])
+    await publisher.publish_weights(2, models[2])  # a transformers model, published as is
     results = await collect(publisher, 6, timeout_s=60)
     reference = Reference(models)
     for r in results:
@@ -160,7 +160,8 @@ async def test_pinned_worker_serves_its_version_while_the_pool_moves_on(
     await wait_until(lambda: _pinned_at(redis, publisher.keys, 1), timeout_s=120,
                      what="pinned worker up")
     old = await publisher.submit(PROMPTS[:6], n=1, sampling=GREEDY, exact_version=1)
-    new = await publisher.submit(PROMPTS[6:12], n=1, sampling=GREEDY)
+    # A job without a window would accept the pinned worker's v1 too: bound its staleness.
+    new = await publisher.submit(PROMPTS[6:12], n=1, sampling=GREEDY, max_staleness=0)
     results = await collect(publisher, 12, timeout_s=120)
     reference = Reference(models)
     for r in results:
@@ -184,7 +185,7 @@ async def _pinned_at(redis, keys, version) -> bool:
 
 @pytest.mark.parametrize("damage", ["corrupted", "truncated"])
 async def test_damaged_weights_are_refused_and_the_old_version_serves(
-        damage, publisher, follower, versions, tmp_path, make_worker):
+        damage, publisher, follower, versions, tmp_path, redis):
     from safetensors.torch import save_file
 
     weights, models = versions
@@ -203,8 +204,41 @@ async def test_damaged_weights_are_refused_and_the_old_version_serves(
     await wait_until(lambda: 2 in worker.cannot_load, what="v2 refused")
     assert worker.engine.version == 1
     assert ("sha256" if damage == "corrupted" else "truncated") in worker.last_error
+    await wait_until(lambda: _beat_reports(redis, publisher.keys, "version 2 refused"),
+                     what="heartbeat reports the error")
     await publisher.submit(PROMPTS[:4], n=1, sampling=GREEDY)
     reference = Reference(models)
     for r in await collect(publisher, 4, timeout_s=60):  # the v1 weights are intact
         assert r.samples[0].versions == [(1, 0)]
         reference.check(r.prompt_ids, r.samples[0])
+
+
+async def _beat_reports(redis, keys, text) -> bool:
+    return any(text in w.last_error for w in await live_workers(redis, keys))
+
+
+async def test_load_error_keeps_the_old_version_serving(publisher, follower, versions, engine_v1):
+    weights, models = versions
+    rpc = engine_v1.llm.collective_rpc
+    calls = []
+
+    async def fail_first_load(method, *args, **kwargs):
+        calls.append(kwargs.get("kwargs", {}).get("weights_path"))
+        if len(calls) == 1:
+            raise RuntimeError("simulated load failure half way")
+        return await rpc(method, *args, **kwargs)
+
+    engine_v1.llm.collective_rpc = fail_first_load
+    try:
+        worker = follower()
+        await publisher.publish_weights(2, weights[2])
+        await wait_until(lambda: 2 in worker.cannot_load, what="v2 given up")
+        assert worker.engine.version == 1 and "simulated load failure" in worker.last_error
+        assert len(calls) == 2 and calls[1] == engine_v1._weights_path  # v1 loaded back
+        await publisher.submit(PROMPTS[:4], n=1, sampling=GREEDY)
+        reference = Reference(models)
+        for r in await collect(publisher, 4, timeout_s=60):
+            assert r.samples[0].versions == [(1, 0)]
+            reference.check(r.prompt_ids, r.samples[0])
+    finally:
+        engine_v1.llm.collective_rpc = rpc
