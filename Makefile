@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # cpu: vLLM's CPU build + torch 2.13.0 (CPU wheel where pip can find one) for the engine tests.
 EXTRAS ?= test,cpu
 
-.PHONY: setup redis-server test test-queue clean
+.PHONY: setup redis-server lint test test-queue clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,10 @@ redis-server:
 	    exit 1; \
 	  fi; }
 
-test: setup
+lint: setup
+	$(BIN)/ruff check rollq tests
+
+test: setup lint
 	$(BIN)/python -m pytest
 
 # The queue alone, without vLLM (fast: a few seconds).

@@ -40,7 +40,7 @@ def _wait_for_redis(url: str, proc: subprocess.Popen | None, timeout_s: float = 
             return
         except redis_sync.ConnectionError:
             if (proc and proc.poll() is not None) or time.monotonic() > give_up:
-                raise RuntimeError(f"redis-server at {url} did not come up")
+                raise RuntimeError(f"redis-server at {url} did not come up") from None
             time.sleep(0.05)
 
 
@@ -151,7 +151,7 @@ class WorkerProcess:
                 "--policy", policy, "--worker-id", worker_id]
         args += cli_flags(flags)
         env = os.environ | {"COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
         # Own process group, so that close() also ends the engine processes it started.
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

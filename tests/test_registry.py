@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import collect, wait_until
+from helpers import collect
 from safetensors.torch import save_file
 
 from rollq.protocol import InvalidInput, Sampling, WorkItem, pack_tokens

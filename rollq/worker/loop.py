@@ -346,8 +346,10 @@ class Worker:
 def _outside_window(item: WorkItem, samples: list[Sample]) -> str:
     for i, sample in enumerate(samples):
         for version, _ in sample.versions:
-            if version < item.min_version or (item.max_version is not None and version > item.max_version):
-                return f"sample {i} has tokens of version {version}, outside [{item.min_version}, {item.max_version}]"
+            if version < item.min_version or (item.max_version is not None
+                                              and version > item.max_version):
+                return (f"sample {i} has tokens of version {version}, outside "
+                        f"[{item.min_version}, {item.max_version}]")
     return ""
 
 

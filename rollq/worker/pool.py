@@ -8,6 +8,7 @@ size; that path follows vLLM's documented device selection and is untested here 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -32,10 +33,8 @@ def reap_group(pgid: int) -> None:
     vLLM's engine core outlives a SIGKILLed parent, holding its memory (and, on a GPU, the
     device): a restarted worker would find the device full.
     """
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 class Pool:
@@ -100,10 +99,8 @@ class Pool:
             log.error("pool: worker %d (pid %d) %s after %.1f s; restarting in %.1f s",
                       slot, proc.pid, describe_exit(code), uptime, backoff)
             self.restarts += 1
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), backoff)
-            except TimeoutError:
-                pass
             backoff = min(backoff * 2, self.max_backoff_s)
 
     async def _stop_all(self) -> None:
