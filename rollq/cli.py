@@ -141,6 +141,24 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
         await redis.aclose()
 
 
+@main.command()
+@click.option("--steps", default=40, show_default=True, help="GRPO steps of each run.")
+@click.option("--groups", default=16, show_default=True, help="Prompt groups per step.")
+@click.option("--n", default=8, show_default=True, help="Samples per group.")
+@click.option("--staleness", default=2, show_default=True, help="The async run's bound.")
+@click.option("--out", "out_dir", default="demo-output", show_default=True, type=click.Path())
+@click.option("--redis-url", envvar="REDIS_URL", default=None,
+              help="Use this Redis; default: a private redis-server for the demo.")
+def demo(steps: int, groups: int, n: int, staleness: int, out_dir: str, redis_url: str | None) -> None:
+    """Asynchronous GRPO on CPU: a synchronous and an asynchronous run, side by side."""
+    from rollq.demo import DemoSettings
+    from rollq.demo import demo as run_demo
+
+    settings = DemoSettings(steps=steps, groups=groups, n=n, staleness=staleness,
+                            out_dir=Path(out_dir), redis_url=redis_url)
+    asyncio.run(run_demo(settings))
+
+
 @main.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True))
 @click.option("--workers", envvar="ROLLQ_WORKERS", default=1, show_default=True,
               help="Worker processes on this host.")

@@ -1,0 +1,233 @@
+"""`rollq demo`: asynchronous GRPO on CPU, synchronous vs asynchronous, side by side.
+
+Starts what it needs (a private redis-server unless REDIS_URL is set, one vLLM worker per run),
+trains `examples/async_grpo.py`'s tiny model twice with the same settings, cores and threads,
+and reports reward, wall time, throughput, staleness and the speed-up, with a PNG plot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "async_grpo.py"
+
+
+@dataclass
+class DemoSettings:
+    steps: int = 40
+    groups: int = 16
+    n: int = 8
+    staleness: int = 2
+    out_dir: Path = Path("demo-output")
+    redis_url: str | None = None
+    worker_start_timeout_s: float = 300.0
+
+
+def load_example():
+    if not EXAMPLE.exists():
+        raise SystemExit(f"{EXAMPLE} not found: run `rollq demo` from a checkout of rollq")
+    spec = importlib.util.spec_from_file_location("async_grpo", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def private_redis(workdir: Path):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed. Install it with `sudo apt-get install "
+                         "redis-server` (or `brew install redis`), or set REDIS_URL.")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def worker_process(redis_url: str, policy: str, model: Path, log_path: Path, cpu: str):
+    args = [sys.executable, "-m", "rollq", "worker", "--redis-url", redis_url, "--policy", policy,
+            "--engine", "vllm", "--model", str(model), "--dtype", "float32",
+            "--max-model-len", "256", "--max-num-seqs", "256", "--enforce-eager",
+            "--swap-mode", "interrupt", "--poll-s", "0.05", "--lease-s", "10"]
+    env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": cpu, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log_path, "w") as log:
+        # The worker and its engine processes on one core, the trainer on the other.
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True,
+                                preexec_fn=lambda: os.sched_setaffinity(0, {int(cpu)}))
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # its engine processes too
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def wait_for_worker(redis_url: str, policy: str, proc, timeout_s: float, log: Path) -> None:
+    from rollq.queue.connection import connect
+    from rollq.queue.keys import Keys
+    from rollq.worker.heartbeat import live_workers
+
+    redis = connect(redis_url)
+    try:
+        give_up = time.monotonic() + timeout_s
+        while not await live_workers(redis, Keys(policy)):
+            if proc.poll() is not None or time.monotonic() > give_up:
+                raise SystemExit(f"the worker did not start; its log: {log}")
+            await asyncio.sleep(0.5)
+    finally:
+        await redis.aclose()
+
+
+async def run_mode(example, mode: str, s: DemoSettings, redis_url: str, model: Path, progress):
+    from rollq import RolloutClient
+
+    policy = f"demo-{mode}-{uuid.uuid4().hex[:6]}"
+    staleness = 0 if mode == "sync" else s.staleness
+    task = progress.add_task(f"{mode:5} starting worker", total=s.steps)
+    log = s.out_dir / f"worker-{mode}.log"
+    with worker_process(redis_url, policy, model, log, cpu="0") as proc:
+        await wait_for_worker(redis_url, policy, proc, s.worker_start_timeout_s, log)
+        trainer = example.GRPOTrainer(model)
+
+        def on_step(st):
+            progress.update(task, advance=1,
+                            description=f"{mode:5} step {st.step + 1:3}  reward {st.reward:.3f}")
+
+        async with RolloutClient(redis_url, policy=policy, trainer_id=mode,
+                                 weight_store=str(s.out_dir / "weights")) as client:
+            return await example.train(client, trainer, steps=s.steps, groups=s.groups, n=s.n,
+                                       staleness=staleness, on_step=on_step)
+
+
+def smoothed(values: list[float], window: int = 5) -> list[float]:
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
+def time_to(stats, target: float) -> float | None:
+    """Wall time at which the smoothed reward first reaches `target`."""
+    for st, r in zip(stats, smoothed([st.reward for st in stats])):
+        if r >= target:
+            return st.wall_s
+    return None
+
+
+def speedup(sync, asyn) -> tuple[float | None, float]:
+    """Wall time for async to reach the sync run's final reward (less 0.02: the reward
+    saturates at 1.0), over the sync run's time to reach it; and that reward."""
+    target = smoothed([st.reward for st in sync])[-1] - 0.02
+    reached_sync, reached_async = time_to(sync, target), time_to(asyn, target)
+    if reached_sync is None or reached_async is None:
+        return None, target
+    return reached_async / reached_sync, target
+
+
+def report(runs: dict, s: DemoSettings) -> float | None:
+    table = Table(title="rollq demo: GRPO on the 'even tokens' task")
+    for col in ("run", "first reward", "final reward", "wall time", "waiting for rollouts",
+                "training", "tokens/s", "staleness (tokens)"):
+        table.add_column(col)
+    for mode, stats in runs.items():
+        stale = sum((st.staleness for st in stats), start=Counter())
+        tokens = sum(st.tokens for st in stats)
+        table.add_row(mode, f"{stats[0].reward:.3f}", f"{smoothed([x.reward for x in stats])[-1]:.3f}",
+                      f"{stats[-1].wall_s:.1f} s", f"{sum(x.wait_s for x in stats):.1f} s",
+                      f"{sum(x.train_s for x in stats):.1f} s", f"{tokens / stats[-1].wall_s:.0f}",
+                      " ".join(f"{k}:{v}" for k, v in sorted(stale.items())))
+    console.print(table)
+    sync, asyn = runs["sync"], runs["async"]
+    console.print(f"wall time of {s.steps} steps, async / sync: "
+                  f"[bold]{asyn[-1].wall_s / sync[-1].wall_s:.2f}x[/bold]")
+    ratio, target = speedup(sync, asyn)
+    if ratio is None:
+        console.print(f"reward {target:.3f} (sync's final, less 0.02) was not reached by both runs")
+    else:
+        console.print(f"time to reward {target:.3f} (sync's final, less 0.02), async / sync: "
+                      f"[bold]{ratio:.2f}x[/bold] ({time_to(asyn, target):.1f} s vs "
+                      f"{time_to(sync, target):.1f} s)")
+    return ratio
+
+
+def plot(runs: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print("(matplotlib is not installed: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, stats in runs.items():
+        ax.plot([st.wall_s for st in stats], smoothed([st.reward for st in stats]), label=mode)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("reward (moving average of 5 steps)")
+    ax.set_title("GRPO with rollq: synchronous vs asynchronous")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    console.print(f"plot: {path}")
+
+
+async def demo(s: DemoSettings) -> float | None:
+    import logging
+
+    import torch
+
+    logging.getLogger("rollq.registry").setLevel(logging.WARNING)  # retention notes per step
+    example = load_example()
+    s.out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # the trainer gets one core, the worker's engine the other
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, {1 % os.cpu_count()})
+    model = example.make_model(s.out_dir / "model")
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        redis_url = s.redis_url or stack.enter_context(private_redis(Path(tmp)))
+        with Progress(TextColumn("{task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                      console=console) as progress:
+            for mode in ("sync", "async"):
+                runs[mode] = await run_mode(example, mode, s, redis_url, model, progress)
+    ratio = report(runs, s)
+    plot(runs, s.out_dir / "reward.png")
+    (s.out_dir / "runs.json").write_text(json.dumps(
+        {mode: [dataclasses.asdict(st) | {"staleness": dict(st.staleness)} for st in stats]
+         for mode, stats in runs.items()}, indent=1))
+    return ratio
