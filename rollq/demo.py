@@ -160,17 +160,18 @@ def speedup(sync, asyn) -> tuple[float | None, float]:
 
 def report(runs: dict, s: DemoSettings) -> float | None:
     table = Table(title="rollq demo: GRPO on the 'even tokens' task")
-    for col in ("run", "first reward", "final reward", "wall time", "waiting for rollouts",
-                "training", "tokens/s", "staleness (tokens)"):
+    for col in ("run", "reward", "wall", "waiting", "training", "tok/s"):
         table.add_column(col)
     for mode, stats in runs.items():
-        stale = sum((st.staleness for st in stats), start=Counter())
         tokens = sum(st.tokens for st in stats)
-        table.add_row(mode, f"{stats[0].reward:.3f}", f"{smoothed([x.reward for x in stats])[-1]:.3f}",
+        table.add_row(mode, f"{stats[0].reward:.3f} → {smoothed([x.reward for x in stats])[-1]:.3f}",
                       f"{stats[-1].wall_s:.1f} s", f"{sum(x.wait_s for x in stats):.1f} s",
-                      f"{sum(x.train_s for x in stats):.1f} s", f"{tokens / stats[-1].wall_s:.0f}",
-                      " ".join(f"{k}:{v}" for k, v in sorted(stale.items())))
+                      f"{sum(x.train_s for x in stats):.1f} s", f"{tokens / stats[-1].wall_s:.0f}")
     console.print(table)
+    for mode, stats in runs.items():
+        stale = sum((st.staleness for st in stats), start=Counter())
+        console.print(f"{mode} staleness (versions behind the trainer: tokens): "
+                      + ", ".join(f"{k}: {v}" for k, v in sorted(stale.items())))
     sync, asyn = runs["sync"], runs["async"]
     console.print(f"wall time of {s.steps} steps, async / sync: "
                   f"[bold]{asyn[-1].wall_s / sync[-1].wall_s:.2f}x[/bold]")

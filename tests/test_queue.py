@@ -274,3 +274,44 @@ async def test_malformed_items_are_dead_lettered_and_the_worker_keeps_serving(
 async def collect_after_worker(client, make_worker):
     make_worker()
     return await collect(client, 1)
+
+
+def test_sync_client_for_trainers_that_are_not_async(redis_url, policy):
+    import threading
+
+    from rollq.client import SyncRolloutClient
+
+    def serve() -> None:  # a worker on its own loop, for the synchronous caller's sake
+        import asyncio
+
+        from rollq.engine.instant import InstantEngine
+        from rollq.queue.connection import connect
+        from rollq.queue.keys import Keys
+        from rollq.worker.loop import Worker
+
+        async def run() -> None:
+            redis = connect(redis_url)
+            worker = Worker(WorkQueue(redis, Keys(policy), "sync-w", job_ttl_s=60), InstantEngine(),
+                            max_inflight=4, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1)
+            task = asyncio.create_task(worker.run())
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            worker.stop()
+            await task
+            await redis.aclose()
+
+        asyncio.run(run())
+
+    stop = threading.Event()
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with SyncRolloutClient(redis_url, policy=policy, trainer_id="sync") as client:
+            job = client.submit([[1, 2], [3]], n=2, sampling={"max_tokens": 2})
+            assert client.wait(job, timeout_s=10).ok == 2
+            results = client.take(2, timeout_s=5)
+            assert sorted(r.group_index for r in results) == [0, 1]
+            assert client.status(job).state == "done"
+    finally:
+        stop.set()
+        thread.join(10)
