@@ -7,8 +7,8 @@ few are very long), as completion lengths are in real RL: a synchronous trainer 
 longest sample of every batch.
 
 Each step: take one batch of finished groups, compute group-normalised advantages, a clipped
-importance ratio against the behaviour logprobs rollq returned (per token, so tokens of older
-versions are weighted by their own version's probabilities), step the optimiser, publish the
+(truncated) importance ratio against the behaviour logprobs rollq returned (per token, so tokens
+of older versions are weighted by their own version's probabilities), step the optimiser, publish the
 weights as the next version, and submit one more batch. Synchronous mode (`max_staleness=0`)
 submits after each update and waits; asynchronous mode keeps `k` batches in flight with
 `max_staleness=k`, so generation and training overlap.
@@ -75,11 +75,11 @@ class StepStats:
 
 
 class GRPOTrainer:
-    def __init__(self, model_dir: Path, *, lr: float = 3e-3, clip: float = 0.2):
+    def __init__(self, model_dir: Path, *, lr: float = 3e-3, max_ratio: float = 2.0):
         self.model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
         self.model.train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
-        self.clip = clip
+        self.max_ratio = max_ratio
 
     def update(self, results: list[GroupResult]) -> float:
         """One GRPO step on whole groups; returns the batch's mean reward."""
@@ -125,11 +125,12 @@ class GRPOTrainer:
         logits = self.model(ids, attention_mask=attention).logits
         logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
         mask, old = mask[:, :-1], old[:, :-1]
-        # Clipped importance ratio against the behaviour policy, token by token: a token
-        # sampled by an older version is weighed by that version's own probability.
-        ratio = torch.exp((logp - old).clamp(-20, 20)) * mask
-        adv = advantages[:, None]
-        objective = torch.minimum(ratio * adv, ratio.clamp(1 - self.clip, 1 + self.clip) * adv)
+        # Importance ratio current / behaviour policy, token by token, truncated at max_ratio:
+        # a token sampled by an older version is weighed by that version's own probability.
+        # One optimiser step per batch, so a PPO-style clip around 1 would only discard the
+        # gradient of stale tokens; truncation keeps it and bounds the variance.
+        ratio = torch.exp((logp - old).clamp(-20, 20)).clamp(max=self.max_ratio).detach()
+        objective = ratio * advantages[:, None] * logp
         loss = -(objective * mask).sum() / total_tokens  # the batch's token mean, over chunks
         loss.backward()
 
