@@ -234,3 +234,29 @@ async def test_min_version_waits_for_publish(make_publisher, make_worker, weight
     [result] = await collect(client, 1, timeout_s=15)
     assert result.status == "ok"
     assert {s.versions[0][0] for s in result.samples} == {2}
+
+
+async def test_peft_model_is_merged_without_changing_the_trainer(make_publisher, tiny_model):
+    """A LoRA model publishes merged weights under the base model's names; the trainer's
+    model keeps its adapter unmerged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from rollq.registry.safetensors_check import dir_schema
+
+    base = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    entry = await make_publisher().publish_weights(1, model)
+    published = dir_schema(Path(entry.path))
+    assert set(published) == set(dir_schema(tiny_model))  # exactly the served model's names
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(Path(entry.path) / "model.safetensors"))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    delta = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * layer.scaling["default"]
+    expected = layer.base_layer.weight + delta
+    assert torch.allclose(tensors["model.layers.0.self_attn.q_proj.weight"], expected, atol=1e-6)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # unmerged again

@@ -1,7 +1,9 @@
 """What a trainer publishes -> tensors named as vLLM loads them.
 
-Accepted: a `state_dict`, a Hugging Face model, or a PEFT model. PEFT adapters are merged
-without changing the trainer's model (merge, copy, unmerge) and their names cleaned:
+Accepted: a `state_dict`, a Hugging Face model, or a PEFT model. PEFT adapters are merged into
+a copy of the weights (base + each active adapter's delta), never into the trainer's model
+(merging and unmerging in place would leave rounding errors in its base weights), and names are
+cleaned:
 `base_model.model.` and `.base_layer` go, `modules_to_save.default.` replaces the original
 module, adapter tensors (`lora_*`) are dropped.
 """
@@ -29,6 +31,20 @@ def _is_peft(model: Any) -> bool:
     return hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter")
 
 
+def _merged_copy(model: Any) -> dict[str, Any]:
+    tensors = {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")):
+            continue
+        if getattr(module, "merged", False):  # the trainer merged it itself: already in
+            continue
+        key = f"{name}.base_layer.weight"
+        for adapter in module.active_adapters:
+            delta = module.get_delta_weight(adapter).detach().to("cpu")
+            tensors[key] = tensors[key] + delta.to(tensors[key].dtype)
+    return tensors
+
+
 def saveable(tensors: dict[str, Any]) -> dict[str, Any]:
     """Detached, contiguous CPU copies; tensors sharing storage (tied weights) each get their own."""
     out, seen = {}, set()
@@ -45,12 +61,7 @@ def tensors_of(source: Any) -> dict[str, Any]:
     if isinstance(source, dict):
         return saveable(clean_peft_names(source))
     if _is_peft(source):
-        source.merge_adapter()
-        try:
-            merged = {k: v.detach().to("cpu").clone() for k, v in source.state_dict().items()}
-        finally:
-            source.unmerge_adapter()
-        return saveable(clean_peft_names(merged))
+        return saveable(clean_peft_names(_merged_copy(source)))
     if hasattr(source, "state_dict"):
         return saveable(source.state_dict())
     raise TypeError(f"cannot publish a {type(source).__name__}: give a directory of safetensors, "
