@@ -32,15 +32,21 @@ async def test_greedy_completions_equal_transformers(make_client, make_vllm_work
         assert result.generation_s > 0 and result.queued_s >= 0
 
 
-async def test_sampled_logprobs_match_transformers(make_client, make_vllm_worker, reference):
-    client = make_client()
-    make_vllm_worker()
-    await client.submit(PROMPTS, n=4, sampling={"temperature": 1.0, "max_tokens": 16, "seed": 11})
+async def max_logprob_error(client, reference, seed: int) -> float:
+    """Sample PROMPTS x 4 at temperature 1; the largest |engine - transformers| sampled logprob."""
+    await client.submit(PROMPTS, n=4, sampling={"temperature": 1.0, "max_tokens": 16, "seed": seed})
     worst = 0.0
     for result in await collect(client, len(PROMPTS)):
         for sample in result.samples:
             expected = token_logprobs(reference, result.prompt_ids, sample.token_ids)
             worst = max(worst, *(abs(a - b) for a, b in zip(sample.token_logprobs, expected)))
+    return worst
+
+
+async def test_sampled_logprobs_match_transformers(make_client, make_vllm_worker, reference):
+    client = make_client()
+    make_vllm_worker()
+    worst = await max_logprob_error(client, reference, seed=11)
     print(f"max |logprob - reference| = {worst:.2e}")
     assert worst < LOGPROB_TOLERANCE
 
@@ -164,11 +170,6 @@ async def test_bf16_engine_logprobs_within_bf16_tolerance(make_client, make_work
                                                           reference):
     client = make_client()
     make_worker(engine=bf16_engine, max_inflight=32, max_inflight_seqs=32)
-    await client.submit(PROMPTS, n=4, sampling={"temperature": 1.0, "max_tokens": 16, "seed": 3})
-    worst = 0.0
-    for result in await collect(client, len(PROMPTS)):
-        for sample in result.samples:
-            expected = token_logprobs(reference, result.prompt_ids, sample.token_ids)
-            worst = max(worst, *(abs(a - b) for a, b in zip(sample.token_logprobs, expected)))
+    worst = await max_logprob_error(client, reference, seed=3)
     print(f"bf16: max |logprob - reference| = {worst:.2e}")
     assert worst < BF16_LOGPROB_TOLERANCE
