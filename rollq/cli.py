@@ -142,6 +142,30 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
 
 
 @main.command()
+@click.option("--redis-url", envvar="REDIS_URL", default=DEFAULT_URL, show_default=True)
+@click.option("--policy", envvar="ROLLQ_POLICY", default=None, help="One policy; default: all.")
+def status(redis_url: str, policy: str | None) -> None:
+    """Versions, workers and queue depths, as tables."""
+    from rich.console import Console
+
+    from rollq.queue.connection import connect
+    from rollq.status import policies, policy_status, render
+
+    async def show() -> None:
+        redis = connect(redis_url)
+        try:
+            names = [policy] if policy else await policies(redis)
+            if not names:
+                click.echo(f"no rollq policies in {redis_url}")
+            for name in names:
+                render(await policy_status(redis, name), Console())
+        finally:
+            await redis.aclose()
+
+    asyncio.run(show())
+
+
+@main.command()
 @click.option("--steps", default=40, show_default=True, help="GRPO steps of each run.")
 @click.option("--groups", default=16, show_default=True, help="Prompt groups per step.")
 @click.option("--n", default=8, show_default=True, help="Samples per group.")

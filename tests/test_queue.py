@@ -1,6 +1,8 @@
 """Queue transitions against a real redis-server, with in-process workers on the instant engine."""
 
 import asyncio
+import os
+import sys
 
 import msgspec
 import pytest
@@ -315,3 +317,23 @@ def test_sync_client_for_trainers_that_are_not_async(redis_url, policy):
     finally:
         stop.set()
         thread.join(10)
+
+
+async def test_status_shows_versions_workers_and_queues(make_client, make_worker, redis_url,
+                                                        policy, tmp_path):
+    import asyncio as aio
+
+    client = make_client("alice", weight_store=str(tmp_path / "store"))
+    make_worker("w-status", delay_s=30, max_inflight=2, lease_s=1.0)
+    await client.submit([[i + 1] for i in range(5)], n=1)
+    await wait_until(lambda: client.redis.exists(client.keys.worker("w-status")), what="heartbeat")
+    proc = await aio.create_subprocess_exec(
+        sys.executable, "-m", "rollq", "status", "--redis-url", redis_url, "--policy", policy,
+        stdout=aio.subprocess.PIPE, env=os.environ | {"COLUMNS": "200"})
+    out = (await proc.communicate())[0].decode()
+    assert proc.returncode == 0, out
+    assert f"policy {policy}: newest version -" in out
+    assert "w-status" in out and "serving" in out
+    # alice: 2 running on the worker, 3 waiting, 5 outstanding
+    assert any([cell.strip() for cell in line.split("│")[1:6]] == ["alice", "3", "2", "0", "5"]
+               for line in out.splitlines() if "alice" in line), out

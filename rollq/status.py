@@ -1,0 +1,80 @@
+"""`rollq status`: versions, workers and queue depths of one policy or all, as rich tables."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from redis.asyncio import Redis
+from rich.console import Console
+from rich.table import Table
+
+from rollq.queue.keys import WORKERS_GROUP, Keys
+from rollq.registry.versions import Registry
+from rollq.worker.heartbeat import WorkerState, live_workers
+
+
+class TrainerQueue(msgspec.Struct):
+    trainer: str
+    waiting: int
+    """Groups no worker has read yet."""
+    running: int
+    """Groups a worker holds (pending in the consumer group)."""
+    results: int
+    """Results not yet acknowledged by the trainer."""
+    outstanding: int
+
+
+class PolicyStatus(msgspec.Struct):
+    policy: str
+    latest: int | None
+    versions: list[int]
+    workers: list[WorkerState]
+    queues: list[TrainerQueue]
+
+
+async def policies(redis: Redis) -> list[str]:
+    found = set()
+    async for key in redis.scan_iter(match="rollq:{*}:trainers", count=1000):
+        found.add(key.decode().split("{", 1)[1].split("}", 1)[0])
+    async for key in redis.scan_iter(match="rollq:{*}:latest", count=1000):
+        found.add(key.decode().split("{", 1)[1].split("}", 1)[0])
+    return sorted(found)
+
+
+async def policy_status(redis: Redis, policy: str) -> PolicyStatus:
+    keys = Keys(policy)
+    registry = Registry(redis, keys)
+    trainers = sorted(t.decode() for t in await redis.smembers(keys.trainers))
+    queues = []
+    for trainer in trainers:
+        stream = keys.work(trainer)
+        total = await redis.xlen(stream)
+        running = 0
+        if total:
+            running = (await redis.xpending(stream, WORKERS_GROUP))["pending"]
+        queues.append(TrainerQueue(trainer, total - running, running,
+                                   await redis.xlen(keys.results(trainer)),
+                                   int(await redis.get(keys.outstanding(trainer)) or 0)))
+    return PolicyStatus(policy, await registry.latest(),
+                        [e.version for e in await registry.entries()],
+                        await live_workers(redis, keys), queues)
+
+
+def render(status: PolicyStatus, console: Console) -> None:
+    versions = ", ".join(map(str, status.versions[-8:])) or "none"
+    console.print(f"[bold]policy {status.policy}[/bold]: newest version "
+                  f"{status.latest if status.latest is not None else '-'} (registered: {versions})")
+    workers = Table(title="workers", title_justify="left")
+    for col in ("worker", "version", "state", "in flight", "last beat", "last error"):
+        workers.add_column(col)
+    for w in status.workers:
+        workers.add_row(w.worker_id + (" (pinned)" if w.pinned else ""), str(w.version), w.state,
+                        str(w.inflight), f"{time.time() - w.at:.0f} s ago", w.last_error or "-")
+    console.print(workers)
+    queues = Table(title="trainers", title_justify="left")
+    for col in ("trainer", "waiting", "running", "results unacked", "outstanding (quota)"):
+        queues.add_column(col)
+    for q in status.queues:
+        queues.add_row(q.trainer, str(q.waiting), str(q.running), str(q.results), str(q.outstanding))
+    console.print(queues)
