@@ -28,7 +28,7 @@ redis-server:
 	  fi; }
 
 lint: setup
-	$(BIN)/ruff check rollq tests examples
+	$(BIN)/ruff check rollq tests examples bench
 
 test: setup lint
 	$(BIN)/python -m pytest

@@ -79,6 +79,10 @@ class Worker:
         self._hurry = asyncio.Event()
         self._fatal: BaseException | None = None
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
     def stop(self) -> None:
         """First call: stop claiming and shut down in stages. Second call: skip the grace period."""
         if self._stopping.is_set():
@@ -92,9 +96,8 @@ class Worker:
         """
         log.info("worker %s serving policy %r with version %d%s", self.worker_id,
                  self.queue.keys.policy, self.engine.version, " (pinned)" if self.pinned else "")
-        background = [asyncio.create_task(self._renew_loop(), name="renew")]
-        if follower is not None:
-            background.append(asyncio.create_task(follower.run(), name="follow-versions"))
+        renewing = asyncio.create_task(self._renew_loop(), name="renew")
+        following = [asyncio.create_task(follower.run(), name="follow-versions")] if follower else []
         try:
             await self._beat()
             await self._feed_loop()
@@ -102,10 +105,13 @@ class Worker:
             await self._drain()
         finally:
             # Also on cancellation: nothing held may stay pending for a full lease.
+            self._stopping.set()
             await self._release_held()
-            for task in background:
+            if following:  # it ends by itself within poll_s (see VersionFollower.run)
+                await asyncio.wait(following, timeout=self.poll_s + 2)
+            for task in [renewing, *following]:
                 task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await asyncio.gather(renewing, *following, return_exceptions=True)
             await self.heartbeat.remove()
         if self._fatal:
             log.error("worker %s stopped: engine failed: %s", self.worker_id, self._fatal)

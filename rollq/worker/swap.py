@@ -71,11 +71,13 @@ class VersionFollower:
         self.poll_s = poll_s
 
     async def run(self) -> None:
-        while True:
+        """Until the worker stops. It ends by itself within `poll_s` of that: on Python 3.11 a
+        cancellation that lands as a read timeout fires can be lost inside redis-py."""
+        while not self.worker.stopping:
             pubsub = self.registry.redis.pubsub()
             try:
                 await pubsub.subscribe(self.registry.keys.version_events)
-                while True:
+                while not self.worker.stopping:
                     await self.catch_up()
                     await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.poll_s)
             except RedisError as e:

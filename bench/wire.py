@@ -1,0 +1,80 @@
+"""Wire benchmark: encode + decode one group result (n=8 x 1,024 tokens, with logprobs).
+
+rollq's codec (msgspec msgpack, packed int32 tokens and float32 logprobs) against JSON and
+pickle of the same data as plain Python lists, measured in the same run. Medians of repeats.
+
+    python bench/wire.py            # prints a table, writes bench/results/wire.json
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+from rollq.protocol import GroupResult, Sample, decode_result, encode, pack_floats, pack_tokens
+
+N, TOKENS, REPEATS, LOOPS = 8, 1024, 7, 50
+
+
+def make_result() -> tuple[GroupResult, dict]:
+    rng = random.Random(0)
+    samples = []
+    plain = {"job_id": "job", "group_index": 3, "status": "ok", "samples": []}
+    for _ in range(N):
+        tokens = [rng.randrange(150_000) for _ in range(TOKENS)]
+        logprobs = [-rng.random() * 5 for _ in range(TOKENS)]
+        samples.append(Sample(pack_tokens(tokens), pack_floats(logprobs), "length",
+                              versions=[(7, 0)]))
+        plain["samples"].append({"tokens": tokens, "logprobs": logprobs, "finish_reason": "length",
+                                 "versions": [[7, 0]]})
+    return GroupResult("job", 3, "ok", samples=samples, prompt=pack_tokens(range(512))), plain
+
+
+def timed(round_trip) -> float:
+    """Median seconds per encode + decode."""
+    runs = []
+    for _ in range(REPEATS):
+        began = time.perf_counter()
+        for _ in range(LOOPS):
+            round_trip()
+        runs.append((time.perf_counter() - began) / LOOPS)
+    return statistics.median(runs)
+
+
+def main() -> None:
+    result, plain = make_result()
+    rollq_bytes = encode(result)
+    def rollq_to_lists():
+        back = decode_result(encode(result))
+        return [(s.token_ids, s.token_logprobs) for s in back.samples]
+
+    codecs = {
+        "rollq (msgspec, packed arrays)": (lambda: decode_result(encode(result)), len(rollq_bytes)),
+        "rollq, then unpacked to lists": (rollq_to_lists, len(rollq_bytes)),
+        "json (lists)": (lambda: json.loads(json.dumps(plain)), len(json.dumps(plain))),
+        # A baseline on local data only: rollq never unpickles anything that crossed a wire.
+        "pickle (lists)": (lambda: pickle.loads(pickle.dumps(plain)),  # noqa: S301
+                           len(pickle.dumps(plain))),
+    }
+    rows = {name: (timed(fn), size) for name, (fn, size) in codecs.items()}
+    base = rows["json (lists)"][0]
+    print(f"{'codec':34} {'encode+decode':>14} {'bytes':>10} {'vs json':>8}")
+    for name, (seconds, size) in rows.items():
+        print(f"{name:34} {seconds * 1e3:11.3f} ms {size:10,} {base / seconds:7.1f}x")
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "wire.json").write_text(json.dumps({
+        "n": N, "tokens": TOKENS, "machine": platform.machine(), "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "codecs": {name: {"seconds": s, "bytes": b, "speedup_vs_json": base / s}
+                   for name, (s, b) in rows.items()},
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
