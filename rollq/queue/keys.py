@@ -81,7 +81,7 @@ class Keys:
 
     @property
     def version_events(self) -> str:
-        """Pub/sub channel announcing each newly registered version."""
+        """Stream announcing each newly registered version (workers block on it)."""
         return f"{self._p}:version-events"
 
     @property

@@ -21,8 +21,8 @@ class Registry:
 
     async def register(self, entry: VersionEntry) -> None:
         verdict, latest = await self.scripts.publish(
-            keys=[self.keys.versions, self.keys.latest],
-            args=[entry.version, encode(entry), self.keys.version_events],
+            keys=[self.keys.versions, self.keys.latest, self.keys.version_events],
+            args=[entry.version, encode(entry)],
             client=self.redis,
         )
         if verdict == b"stale":

@@ -1,7 +1,8 @@
 """Follow the registry: learn of new versions at once, verify them, swap the engine to them.
 
-New versions are announced on a pub/sub channel; the newest version is also read every
-`poll_s`, so a missed announcement (reconnect, Redis restart) delays a swap, never loses it.
+New versions are announced on a stream that the follower blocks on; the newest version is also
+read every `poll_s`, so a missed announcement (reconnect, Redis restart) delays a swap, never
+loses it.
 Weights are checked before the engine sees them (files, sizes, sha256, safetensors headers,
 tensor names and shapes against the served model); a version that fails is reported and skipped
 while the worker goes on serving the one it has.
@@ -71,20 +72,24 @@ class VersionFollower:
         self.poll_s = poll_s
 
     async def run(self) -> None:
-        """Until the worker stops. It ends by itself within `poll_s` of that: on Python 3.11 a
-        cancellation that lands as a read timeout fires can be lost inside redis-py."""
+        """Until the worker stops (it ends by itself within `poll_s` of that).
+
+        Announcements come on a stream read with a server-side block (XREAD BLOCK), not on
+        pub/sub: redis-py's pub/sub reads time out client-side, and on Python 3.11 a cancellation
+        that lands as such a timeout fires can be lost, which hung a worker's shutdown.
+        """
+        last = "$"
         while not self.worker.stopping:
-            pubsub = self.registry.redis.pubsub()
             try:
-                await pubsub.subscribe(self.registry.keys.version_events)
-                while not self.worker.stopping:
-                    await self.catch_up()
-                    await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.poll_s)
+                await self.catch_up()
+                reply = await self.registry.redis.xread(
+                    {self.registry.keys.version_events: last}, count=100,
+                    block=max(1, int(self.poll_s * 1000)))
+                for _, entries in reply or []:
+                    last = entries[-1][0]
             except RedisError as e:
-                log.warning("version announcements unavailable (%s); retrying", e)
+                log.warning("reading new versions failed (%s); retrying", e)
                 await asyncio.sleep(self.poll_s)
-            finally:
-                await pubsub.aclose()
 
     async def catch_up(self) -> None:
         newest = await self.registry.latest()
