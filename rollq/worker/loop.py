@@ -109,9 +109,14 @@ class Worker:
             await self._release_held()
             if following:  # it ends by itself within poll_s (see VersionFollower.run)
                 await asyncio.wait(following, timeout=self.poll_s + 2)
-            for task in [renewing, *following]:
+            background = [renewing, *following]
+            for task in background:
                 task.cancel()
-            await asyncio.gather(renewing, *following, return_exceptions=True)
+            # Bounded: a worker asked to stop must exit even if a library swallows a cancel.
+            _, stuck = await asyncio.wait(background, timeout=5.0)
+            for task in stuck:
+                log.warning("background task %s did not stop: %s", task.get_name(),
+                            "".join(str(f) for f in task.get_stack(limit=3)))
             await self.heartbeat.remove()
         if self._fatal:
             log.error("worker %s stopped: engine failed: %s", self.worker_id, self._fatal)
