@@ -29,6 +29,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rollq.worker.pool import reap_group
+
 console = Console()
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "async_grpo.py"
 
@@ -94,8 +96,7 @@ def worker_process(redis_url: str, policy: str, model: Path, log_path: Path, cpu
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        with contextlib.suppress(ProcessLookupError):  # its engine processes too
-            os.killpg(proc.pid, signal.SIGKILL)
+        reap_group(proc.pid)  # its engine processes too
 
 
 async def wait_for_worker(redis_url: str, policy: str, proc, timeout_s: float, log: Path) -> None:

@@ -43,7 +43,6 @@ MAX_RESULT_BYTES = 512 * 1024 * 1024
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._\-]+$")
 
 Status = Literal["ok", "failed", "expired", "cancelled"]
-TERMINAL_STATUSES: tuple[Status, ...] = ("ok", "failed", "expired", "cancelled")
 
 
 class InvalidInput(ValueError):

@@ -7,8 +7,7 @@ and `finish` writes a result only while the caller still owns the entry (fencing
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
@@ -31,7 +30,6 @@ class Claimed:
     last_error: str = ""
     n: int = 1
     """Samples the group asks for (1 until read from the payload)."""
-    claimed_at: float = field(default_factory=time.time)
 
     @property
     def key(self) -> tuple[str, str]:
