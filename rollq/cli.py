@@ -53,6 +53,9 @@ def main(log_level: str) -> None:
               help="Serve only this version (never follow the registry).")
 @click.option("--base-version", envvar="ROLLQ_BASE_VERSION", default=0, show_default=True,
               help="Version of the weights the engine starts with.")
+@click.option("--metrics-port", envvar="ROLLQ_METRICS_PORT", type=int, default=None,
+              help="Serve Prometheus /metrics on this port.")
+@click.option("--metrics-host", envvar="ROLLQ_METRICS_HOST", default="127.0.0.1", show_default=True)
 @click.option("--model", envvar="ROLLQ_MODEL", default=None, help="vLLM: local model directory.")
 @click.option("--dtype", envvar="ROLLQ_DTYPE", default="auto", show_default=True)
 @click.option("--max-model-len", envvar="ROLLQ_MAX_MODEL_LEN", type=int, default=None)
@@ -131,14 +134,70 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
     else:
         follower = VersionFollower(w, w.registry, mode=s.swap_mode, base_schema=base_schema,
                                    poll_s=s.poll_s)
+    metrics = None
+    if s.metrics_port is not None:
+        from rollq.worker.stats import serve_metrics
+
+        metrics = await serve_metrics(w.stats.registry, s.metrics_host, s.metrics_port)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, w.stop)
     try:
         return await w.run(follower)
     finally:
+        if metrics is not None:
+            await metrics.cleanup()
         await engine.close()
         await redis.aclose()
+
+
+@main.command()
+@click.option("--redis-url", envvar="REDIS_URL", default=DEFAULT_URL, show_default=True)
+@click.option("--host", envvar="ROLLQ_GATEWAY_HOST", default="127.0.0.1", show_default=True)
+@click.option("--port", envvar="ROLLQ_GATEWAY_PORT", default=8000, show_default=True)
+@click.option("--tokens", envvar="ROLLQ_GATEWAY_TOKENS", default=None, type=click.Path(dir_okay=False),
+              help='JSON file {"<token>": {"trainer": ..., "policies": [...]}}.')
+@click.option("--no-auth", is_flag=True, envvar="ROLLQ_GATEWAY_NO_AUTH",
+              help="No tokens: every request is trainer 'anonymous' with every policy (loopback only).")
+@click.option("--policy", "policies", multiple=True, envvar="ROLLQ_POLICY",
+              help="Serve and show only these policies (default: all found).")
+@click.option("--gateway-id", envvar="ROLLQ_GATEWAY_ID", default="gateway", show_default=True,
+              help="Names this gateway's completions trainers; unique per gateway.")
+@click.option("--weight-store", envvar="ROLLQ_WEIGHT_STORE", default=None,
+              help="Where published copies go [default: ~/.cache/rollq/weights].")
+@click.option("--weight-root", "weight_roots", multiple=True,
+              help="Directories that may be published by path (default: the weight store).")
+@click.option("--tokenizer", envvar="ROLLQ_TOKENIZER", default=None,
+              help="Local tokenizer directory: text prompts and completion text.")
+@click.option("--max-body-bytes", envvar="ROLLQ_MAX_BODY_BYTES", default=64 * 1024 * 1024, show_default=True)
+def gateway(policies: tuple[str, ...], weight_store: str | None, weight_roots: tuple[str, ...],
+            **flags) -> None:
+    """HTTP API, OpenAI-compatible completions, /metrics and the live dashboard."""
+    from rollq.gateway.app import load_tokenizer, start_gateway
+    from rollq.gateway.state import GatewaySettings
+
+    extra = {"weight_store": weight_store} if weight_store else {}
+    try:
+        settings = GatewaySettings(policies=list(policies), weight_roots=[Path(p) for p in weight_roots],
+                                   **extra, **flags).validate()
+    except InvalidInput as e:
+        raise click.BadParameter(str(e)) from None
+    if settings.no_auth and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("rollq.gateway").warning("--no-auth on %s: anyone who reaches it may submit "
+                                                   "and publish", settings.host)
+
+    async def serve() -> None:
+        runner, _ = await start_gateway(settings, tokenizer=load_tokenizer(settings.tokenizer))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(serve())
 
 
 @main.command()

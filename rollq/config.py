@@ -47,6 +47,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     """Serve this version only (e.g. to evaluate a checkpoint); never follow the registry."""
     base_version: int = 0
     """The version of the weights the engine starts with (the model directory's)."""
+    metrics_port: int | None = None
+    """Serve Prometheus `/metrics` on this port (None: no metrics server)."""
+    metrics_host: str = "127.0.0.1"
 
     def validate(self) -> WorkerSettings:
         check_id("policy", self.policy)
@@ -61,6 +64,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             "instant_delay_s": (self.instant_delay_s, 0, 3600),
             "base_version": (self.base_version, 0, 2**62),
             "pin_version": (0 if self.pin_version is None else self.pin_version, 0, 2**62),
+            "metrics_port": (1 if self.metrics_port is None else self.metrics_port, 1, 65_535),
         }
         for name, (value, lo, hi) in limits.items():
             if not lo <= value <= hi:

@@ -236,3 +236,30 @@ def make_vllm_worker(make_worker, vllm_engine):
         return make_worker(worker_id, engine=vllm_engine, **settings)
 
     return create
+
+
+# --- the HTTP gateway ------------------------------------------------------------------------
+
+@pytest.fixture
+async def make_gateway(redis_url, policy, tmp_path):
+    """create(**settings) -> RunningGateway: `rollq gateway` in-process on a free loopback port."""
+    from gateway_fixtures import RunningGateway, write_tokens
+
+    from rollq.gateway.app import start_gateway
+    from rollq.gateway.state import GatewaySettings
+
+    runners = []
+
+    async def create(tokenizer=None, **settings) -> RunningGateway:
+        tokens = write_tokens(tmp_path / "tokens.json", policy)
+        root = tmp_path / "weights"
+        root.mkdir(exist_ok=True)
+        settings = dict(redis_url=redis_url, port=0, tokens=str(tmp_path / "tokens.json"),
+                        weight_store=str(root), gateway_id=f"gw{uuid.uuid4().hex[:6]}") | settings
+        runner, port = await start_gateway(GatewaySettings(**settings).validate(), tokenizer=tokenizer)
+        runners.append(runner)
+        return RunningGateway(f"http://127.0.0.1:{port}", tokens, root)
+
+    yield create
+    for runner in runners:
+        await runner.cleanup()

@@ -25,6 +25,8 @@ class ResultReader:
         self.outstanding = keys.outstanding(trainer)
         self.consumer = consumer
         self._replaying = True
+        self._cursor = "0"
+        """While replaying: read pending entries after this id (so unacknowledged ones advance)."""
         self._group_ready = False
 
     async def _ensure_group(self) -> None:
@@ -40,7 +42,7 @@ class ResultReader:
         if not self._group_ready:
             await self._ensure_group()
         while True:
-            start = "0" if self._replaying else ">"
+            start = self._cursor if self._replaying else ">"
             try:
                 reply = await self.redis.xreadgroup(
                     TRAINER_GROUP, self.consumer, {self.stream: start}, count=count,
@@ -55,6 +57,8 @@ class ResultReader:
             if self._replaying and not entries:
                 self._replaying = False
                 continue
+            if self._replaying:
+                self._cursor = entries[-1][0].decode()
             out, junk = [], []
             for entry_id, fields in entries:
                 data = (fields or {}).get(b"d")
@@ -77,3 +81,4 @@ class ResultReader:
     def replay(self) -> None:
         """Read this consumer's unacknowledged results again (after a reconnect)."""
         self._replaying = True
+        self._cursor = "0"

@@ -9,6 +9,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollq.queue.keys import Keys
+from rollq.worker.stats import Totals
 
 
 class WorkerState(msgspec.Struct, frozen=True):
@@ -20,6 +21,7 @@ class WorkerState(msgspec.Struct, frozen=True):
     at: float
     last_error: str = ""
     pinned: bool = False
+    totals: Totals = msgspec.field(default_factory=Totals)
 
 
 class Heartbeat:
@@ -27,9 +29,10 @@ class Heartbeat:
         self.redis, self.keys, self.worker_id, self.ttl_s = redis, keys, worker_id, ttl_s
 
     async def beat(self, *, version: int, inflight: int, state: str, last_error: str = "",
-                   pinned: bool = False) -> None:
+                   pinned: bool = False, totals: Totals | None = None) -> None:
         now = time.time()
-        beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned)
+        beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned,
+                           totals or Totals())
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.worker(self.worker_id), msgspec.json.encode(beat),
                      px=int(self.ttl_s * 1000))

@@ -22,6 +22,7 @@ from rollq.queue.work import Claimed, WorkQueue
 from rollq.registry.versions import Registry
 from rollq.worker.admission import Admission
 from rollq.worker.heartbeat import Heartbeat, live_workers
+from rollq.worker.stats import WorkerStats
 from rollq.worker.windows import Decision, Verdict, decide, in_window
 
 WAIT_SWAP_RECHECK_S = 5.0
@@ -65,6 +66,7 @@ class Worker:
         self.heartbeat = Heartbeat(queue.redis, queue.keys, self.worker_id, ttl_s=3 * lease_s)
         self.registry = Registry(queue.redis, queue.keys, queue.scripts)
         self.admission = Admission()
+        self.stats = WorkerStats(queue.keys.policy)
         self.newest: int | None = None
         """The newest registered version, as last seen."""
         self.cannot_load: set[int] = set()
@@ -150,6 +152,7 @@ class Worker:
             claimed: list[Claimed] = []
             if now >= next_reclaim:
                 claimed = await self.queue.reclaim(streams, int(self.lease_s * 1000), free)
+                self.stats.reclaimed(len(claimed))
                 next_reclaim = now + reclaim_every
             block_ms = 0 if claimed else int(self.poll_s * 1000)
             claimed += await self.queue.claim(streams, free - len(claimed), block_ms)
@@ -200,6 +203,7 @@ class Worker:
             return
         except Exception as e:  # a bug or Redis trouble: hand it back, counted, with the error
             log.exception("group %s/%s failed unexpectedly; handing it back", c.job_id, c.group_index)
+            self.stats.error()
             await self._release_quietly([c], error=f"{type(e).__name__}: {e}", refund=False)
         self._held.pop(c.key, None)
         self._slot_freed.set()
@@ -292,6 +296,8 @@ class Worker:
         outcome = await self.queue.finish(c, result.status, encode(result), dead_reason=dead_reason)
         if outcome != "ok":
             log.warning("group %s/%s: result not written (%s)", c.job_id, c.group_index, outcome)
+            return
+        self.stats.result(result, max(self.newest or 0, self.engine.version), dead=bool(dead_reason))
 
     # --- leases, cancellation, shutdown ------------------------------------------------------
 
@@ -305,8 +311,11 @@ class Worker:
                 log.warning("lease renewal failed (%s); fencing protects the results", e)
 
     async def _beat(self) -> None:
+        self.stats.inflight.set(len(self._held))
+        self.stats.version.set(self.engine.version)
         await self.heartbeat.beat(version=self.engine.version, inflight=len(self._held),
-                                  state=self.state, last_error=self.last_error, pinned=self.pinned)
+                                  state=self.state, last_error=self.last_error, pinned=self.pinned,
+                                  totals=self.stats.totals)
 
     async def _renew_once(self) -> None:
         held = list(self._held.values())

@@ -69,7 +69,7 @@ class Pool:
         return 0
 
     def _command(self, slot: int) -> tuple[list[str], dict[str, str]]:
-        args = [sys.executable, "-m", "rollq", "worker", *self.worker_args]
+        args = [sys.executable, "-m", "rollq", "worker", *_metrics_port_of(self.worker_args, slot)]
         env = dict(os.environ)
         if self.gpus_per_worker:
             first = slot * self.gpus_per_worker
@@ -119,3 +119,14 @@ class Pool:
                           hard_deadline)
                 p.kill()
         await asyncio.gather(*waits)
+
+
+def _metrics_port_of(args: list[str], slot: int) -> list[str]:
+    """`--metrics-port P` given to the pool: worker `slot` serves on P + slot (one port each)."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg == "--metrics-port" and i + 1 < len(out):
+            out[i + 1] = str(int(out[i + 1]) + slot)
+        elif arg.startswith("--metrics-port="):
+            out[i] = f"--metrics-port={int(arg.split('=', 1)[1]) + slot}"
+    return out

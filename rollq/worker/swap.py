@@ -53,12 +53,14 @@ async def swap_to(worker: Worker, entry: VersionEntry, mode: SwapMode) -> bool:
     except Exception as e:  # the engine is back on its old weights; report, do not retry this one
         worker.cannot_load.add(version)
         worker.last_error = f"swap to version {version} failed: {type(e).__name__}: {e}"
+        worker.stats.swap(False, time.monotonic() - began)
         log.error("%s; still serving version %d", worker.last_error, worker.engine.version)
         return False
     finally:
         worker.state = "serving"
         worker.admission.reopen()
     log.info("now serving version %d (%s swap, %.2f s)", version, mode, time.monotonic() - began)
+    worker.stats.swap(True, time.monotonic() - began)
     return True
 
 

@@ -1,0 +1,1 @@
+"""The HTTP gateway: rollq's API, OpenAI-compatible completions, /metrics and the dashboard."""

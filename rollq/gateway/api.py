@@ -1,0 +1,237 @@
+"""HTTP handlers: rollq's own API under `/v1/policies/{policy}/...`, the OpenAI-compatible
+surface, health, metrics and the dashboard's data. Each handler checks the caller's token
+against the policy, then calls the same code the Python client uses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from rollq.gateway import completions as oai
+from rollq.gateway.auth import Principal, allowed
+from rollq.gateway.http import JSON, ApiError, read_body, reply
+from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch,
+                                  SubmitRequest, Submitted, VersionList, result_view, version_view)
+from rollq.gateway.state import GATEWAY, Gateway
+from rollq.queue import jobs
+from rollq.queue.jobs import JobStatus
+from rollq.registry.versions import VersionConflict
+from rollq.status import policies, policy_status
+
+log = logging.getLogger("rollq.gateway")
+
+
+def _context(request: web.Request) -> tuple[Gateway, str, Principal]:
+    gw = request.app[GATEWAY]
+    who = gw.tokens.principal(request)
+    return gw, allowed(who, request.match_info["policy"]), who
+
+
+def _int_query(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    try:
+        value = default if raw is None else int(raw)
+    except ValueError:
+        raise ApiError(400, f"{name}={raw!r} is not an integer", name) from None
+    if not lo <= value <= hi:
+        raise ApiError(400, f"{name}={value} is out of range [{lo}, {hi}]", name)
+    return value
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+async def submit(request: web.Request) -> web.Response:
+    gw, policy, who = _context(request)
+    body = await read_body(request, SubmitRequest)
+    job_id = await gw.client(policy, who.trainer).submit(
+        body.prompts, body.n, body.sampling, job_id=body.job_id, deadline_s=body.deadline_s,
+        meta=body.meta, max_staleness=body.max_staleness, min_version=body.min_version,
+        max_version=body.max_version, exact_version=body.exact_version, wait=False)
+    return reply(request, Submitted(job_id, len(body.prompts)), status=201)
+
+
+async def _own_job(gw: Gateway, policy: str, who: Principal, job_id: str) -> JobStatus:
+    status = await jobs.job_status(gw.redis, gw.keys(policy), job_id)
+    if status is None or status.trainer_id not in (who.trainer, gw.completions_trainer(who.trainer)):
+        raise ApiError(404, f"no job {job_id!r} of trainer {who.trainer!r} in policy {policy!r} "
+                            "(unknown, expired or another trainer's)", "job_id")
+    return status
+
+
+async def job_status(request: web.Request) -> web.Response:
+    gw, policy, who = _context(request)
+    return reply(request, await _own_job(gw, policy, who, request.match_info["job_id"]))
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    gw, policy, who = _context(request)
+    status = await _own_job(gw, policy, who, request.match_info["job_id"])
+    left = await gw.client(policy, status.trainer_id).cancel(status.job_id)
+    return reply(request, Cancelled(status.job_id, left))
+
+
+# --- results ---------------------------------------------------------------------------------
+
+async def results(request: web.Request) -> web.Response:
+    """A batch of results not yet acknowledged (the same ones again until they are)."""
+    gw, policy, who = _context(request)
+    count = _int_query(request, "count", 64, 1, 1024)
+    wait_ms = _int_query(request, "wait_ms", 0, 0, 10_000)
+    reader = gw.reader(policy, who.trainer)
+    give_up = time.monotonic() + wait_ms / 1000
+    while True:  # blocks of 1 s at most: redis-py's socket timeout (5 s) would cut a longer one
+        left = give_up - time.monotonic()
+        entries = await reader.read(count, max(1, int(min(left, 1.0) * 1000)) if left > 0 else None)
+        if entries or left <= 0:
+            return reply(request, ResultBatch([result_view(i, r) for i, r in entries]))
+
+
+async def stream_results(request: web.Request) -> web.StreamResponse:
+    """Server-Sent Events, one `result` event per group; unacknowledged results of earlier
+    connections come first. `?ack=auto` acknowledges each batch once it is written."""
+    gw, policy, who = _context(request)
+    batch = _int_query(request, "batch", 64, 1, 1024)
+    auto_ack = request.query.get("ack") == "auto"
+    reader = gw.reader(policy, who.trainer)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    while True:
+        entries = await reader.read(batch, 1000)
+        if not entries:
+            await response.write(b": idle\n\n")  # also finds a client that has gone
+            continue
+        for entry_id, result in entries:
+            data = msgspec.json.encode(result_view(entry_id, result))
+            await response.write(b"id: %s\nevent: result\ndata: %s\n\n" % (entry_id.encode(), data))
+        if auto_ack:
+            await reader.ack([e for e, _ in entries])
+
+
+async def ack_results(request: web.Request) -> web.Response:
+    gw, policy, who = _context(request)
+    body = await read_body(request, AckRequest)
+    if len(body.ids) > 10_000:
+        raise ApiError(400, f"{len(body.ids)} ids; the limit is 10000 per request", "ids")
+    for i, entry_id in enumerate(body.ids):
+        ms, _, seq = entry_id.partition("-")
+        if not (ms.isdigit() and seq.isdigit()):
+            raise ApiError(400, f"{entry_id!r} is not a result id like '1700000000000-0'", f"ids[{i}]")
+    return reply(request, Acked(await gw.reader(policy, who.trainer).ack(body.ids)))
+
+
+# --- versions, workers, status -----------------------------------------------------------------
+
+async def list_versions(request: web.Request) -> web.Response:
+    gw, policy, _ = _context(request)
+    registry = gw.client(policy, "gateway").registry
+    entries = await registry.entries()
+    return reply(request, VersionList(await registry.latest(), [version_view(e) for e in entries]))
+
+
+async def publish_version(request: web.Request) -> web.Response:
+    gw, policy, who = _context(request)
+    body = await read_body(request, PublishRequest)
+    path = Path(body.path).resolve()
+    if not any(path.is_relative_to(root) for root in gw.settings.weight_roots):
+        roots = ", ".join(map(str, gw.settings.weight_roots))
+        raise ApiError(403, f"{path} is outside the gateway's weight roots ({roots})", "path")
+    try:
+        entry = await gw.client(policy, who.trainer).publish_weights(body.version, path, copy=body.copy,
+                                                                     keep=body.keep)
+    except VersionConflict as e:
+        raise ApiError(409, str(e), "version") from None
+    return reply(request, version_view(entry), status=201)
+
+
+async def workers(request: web.Request) -> web.Response:
+    gw, policy, _ = _context(request)
+    return reply(request, (await policy_status(gw.redis, policy)).workers)
+
+
+async def status(request: web.Request) -> web.Response:
+    gw, policy, _ = _context(request)
+    return reply(request, await policy_status(gw.redis, policy))
+
+
+# --- OpenAI-compatible -----------------------------------------------------------------------
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    try:
+        await gw.redis.ping()
+    except Exception as e:
+        raise ApiError(503, f"redis unreachable: {e}") from None
+    return web.Response(status=200)
+
+
+async def models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    who = gw.tokens.principal(request)
+    names = [p for p in (gw.settings.policies or await policies(gw.redis)) if who.may_use(p)]
+    now = int(time.time())
+    data = [dict(id=name, object="model", created=now, owned_by="rollq", root=name,
+                 latest_version=await gw.client(name, "gateway").latest_version()) for name in names]
+    return web.json_response(dict(object="list", data=data))
+
+
+async def completions(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    who = gw.tokens.principal(request)
+    req = await read_body(request, oai.CompletionRequest)
+    policy = allowed(who, req.model)
+    prompts = oai.prompts_of(req.prompt)
+    sampling = oai.sampling_of(req)
+    if not 0 < req.timeout_s <= 86_400:
+        raise ApiError(400, f"timeout_s={req.timeout_s} must be in (0, 86400]", "timeout_s")
+    sent = [gw.encode_text(p) for p in prompts]
+    trainer = gw.completions_trainer(who.trainer)
+    router = gw.router(policy, trainer)
+    job_id = oai.new_job_id()
+    waiter = router.expect(job_id, len(sent))
+    finished = False
+    try:
+        await gw.client(policy, trainer).submit(
+            sent, req.n, sampling, job_id=job_id, deadline_s=req.timeout_s, wait=False,
+            max_staleness=req.max_staleness, min_version=req.min_version, max_version=req.max_version,
+            exact_version=req.exact_version)
+        async with asyncio.timeout(req.timeout_s + 30):  # the deadline ends the groups before this
+            await waiter.done
+        finished = True
+    except TimeoutError:
+        raise ApiError(504, f"no result within timeout_s={req.timeout_s}", "timeout_s") from None
+    finally:
+        router.forget(job_id)
+        if not finished:  # the caller left or timed out: free the workers
+            await asyncio.shield(_cancel_quietly(gw, policy, trainer, job_id))
+    body = oai.response(req, job_id, list(waiter.results.values()), prompts, gw.words)
+    return web.Response(body=msgspec.json.encode(body), content_type=JSON)
+
+
+async def _cancel_quietly(gw: Gateway, policy: str, trainer: str, job_id: str) -> None:
+    try:
+        await gw.client(policy, trainer).cancel(job_id)
+    except Exception as e:  # never submitted, or Redis gone: its deadline ends it anyway
+        log.info("could not cancel abandoned completion %s: %s", job_id, e)
+
+
+# --- metrics and dashboard -------------------------------------------------------------------
+
+async def metrics(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    return web.Response(body=generate_latest(gw.metrics), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def dashboard_data(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    return web.json_response(dict(now=time.time(), healthy=gw.sampler.healthy,
+                                  policies=gw.sampler.dashboard()))
+
+
+async def dashboard(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(Path(__file__).parent / "static" / "index.html")

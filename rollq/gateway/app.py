@@ -1,0 +1,156 @@
+"""`rollq gateway`: one aiohttp app serving the HTTP API, the OpenAI-compatible completions,
+`/metrics`, the dashboard and `/openapi.json`.
+
+`ROUTES` is the one list of routes: the app is built from it and so is the OpenAPI document,
+so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from rollq.gateway import api
+from rollq.gateway.completions import CompletionRequest
+from rollq.gateway.http import ApiError, errors
+from rollq.gateway.openapi import Param, openapi_document
+from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch, SubmitRequest,
+                                  Submitted, VersionList, VersionView)
+from rollq.gateway.state import GATEWAY, Gateway, GatewaySettings
+from rollq.queue.connection import connect
+from rollq.queue.jobs import JobStatus
+from rollq.status import PolicyStatus
+from rollq.worker.heartbeat import WorkerState
+
+log = logging.getLogger("rollq.gateway")
+STATIC = Path(__file__).parent / "static"
+STATIC_FILES = {"uPlot.iife.min.js": "application/javascript", "uPlot.min.css": "text/css",
+                "dashboard.js": "application/javascript", "uPlot.LICENSE": "text/plain"}
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Any
+    summary: str
+    tag: str
+    body: Any = None
+    reply: Any = None
+    status: int = 200
+    public: bool = False
+    query: tuple[Param, ...] = ()
+    media: str = "application/json"
+    errors: tuple[int, ...] = field(default=(400, 401, 403))
+    path_values: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Path parameters that take only these values."""
+
+
+async def static_file(request: web.Request) -> web.FileResponse:
+    name = request.match_info["name"]
+    if name not in STATIC_FILES:
+        raise ApiError(404, f"no static file {name!r}")
+    return web.FileResponse(STATIC / name, headers={"Content-Type": STATIC_FILES[name]})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
+_P = "/v1/policies/{policy}"
+ROUTES = [
+    Route("POST", f"{_P}/jobs", api.submit, "Submit prompt groups (fire-and-forget)", "jobs",
+          body=SubmitRequest, reply=Submitted, status=201, errors=(400, 401, 403, 413, 429)),
+    Route("GET", f"{_P}/jobs/{{job_id}}", api.job_status, "A job's record and counts", "jobs",
+          reply=JobStatus, errors=(400, 401, 403, 404)),
+    Route("DELETE", f"{_P}/jobs/{{job_id}}", api.cancel_job, "Cancel a job's unfinished groups", "jobs",
+          reply=Cancelled, errors=(400, 401, 403, 404)),
+    Route("GET", f"{_P}/results", api.results, "Results not yet acknowledged (a batch)", "results",
+          reply=ResultBatch, query=(Param("count", 64, 1, 1024), Param("wait_ms", 0, 0, 10_000))),
+    Route("GET", f"{_P}/results/stream", api.stream_results, "Results as Server-Sent Events", "results",
+          media="text/event-stream",
+          query=(Param("batch", 64, 1, 1024), Param("ack", None, enum=("auto", "manual")))),
+    Route("POST", f"{_P}/results/ack", api.ack_results, "Acknowledge consumed results", "results",
+          body=AckRequest, reply=Acked),
+    Route("GET", f"{_P}/versions", api.list_versions, "Registered policy versions", "versions",
+          reply=VersionList),
+    Route("POST", f"{_P}/versions", api.publish_version, "Publish a version from a weights directory",
+          "versions", body=PublishRequest, reply=VersionView, status=201, errors=(400, 401, 403, 409)),
+    Route("GET", f"{_P}/workers", api.workers, "Live workers and their versions", "pool",
+          reply=list[WorkerState]),
+    Route("GET", f"{_P}/status", api.status, "Versions, workers and queue depths", "pool",
+          reply=PolicyStatus),
+    Route("GET", "/v1/models", api.models, "Policies this token may use (OpenAI format)", "openai",
+          errors=(401,)),
+    Route("POST", "/v1/completions", api.completions, "OpenAI/vLLM-compatible completions via the queue",
+          "openai", body=CompletionRequest, errors=(400, 401, 403, 409, 413, 429, 504)),
+    Route("GET", "/health", api.health, "200 when the gateway and its Redis are up", "operations",
+          public=True, media="", errors=(503,)),
+    Route("GET", "/metrics", api.metrics, "Prometheus metrics of the pool and the gateway", "operations",
+          public=True, media="text/plain", errors=()),
+    Route("GET", "/api/dashboard", api.dashboard_data, "The dashboard's data", "operations",
+          public=True, errors=()),
+    Route("GET", "/", api.dashboard, "The live dashboard", "operations", public=True, media="text/html",
+          errors=()),
+    Route("GET", "/static/{name}", static_file, "The dashboard's scripts and styles", "operations",
+          public=True, media="application/javascript", errors=(404,),
+          path_values={"name": tuple(STATIC_FILES)}),
+    Route("GET", "/openapi.json", openapi, "This document", "operations", public=True, errors=()),
+]
+
+OPENAPI = web.AppKey("openapi", dict)
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler):
+    gw = request.app[GATEWAY]
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    began = time.perf_counter()
+    response = await handler(request)
+    gw.requests.labels(route, str(response.status)).inc()
+    gw.latency.labels(route).observe(time.perf_counter() - began)
+    return response
+
+
+def make_app(settings: GatewaySettings, redis=None, tokenizer: Any | None = None) -> web.Application:
+    app = web.Application(middlewares=[count_requests, errors], client_max_size=settings.max_body_bytes)
+    app[GATEWAY] = Gateway(settings, redis if redis is not None else connect(settings.redis_url), tokenizer)
+    app[OPENAPI] = openapi_document(ROUTES)
+    for route in ROUTES:
+        app.router.add_route(route.method, route.path, route.handler)
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        await app[GATEWAY].start()
+        yield
+        await app[GATEWAY].stop()
+
+    app.cleanup_ctx.append(lifetime)
+    return app
+
+
+def load_tokenizer(path: str | None) -> Any | None:
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+async def start_gateway(settings: GatewaySettings, redis=None, tokenizer: Any | None = None
+                        ) -> tuple[web.AppRunner, int]:
+    """Serve until the runner is cleaned up; returns it and the bound port (for `port=0`)."""
+    runner = web.AppRunner(make_app(settings, redis, tokenizer), handler_cancellation=True,
+                           access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    log.info("gateway on http://%s:%d (dashboard at /, API docs at /openapi.json)", settings.host, port)
+    return runner, port

@@ -1,0 +1,231 @@
+"""The vLLM/OpenAI-compatible surface: `/v1/completions` and `/v1/models`, through the queue.
+
+A completion request becomes one rollq job (one group per prompt, `n` samples each) submitted
+as the trainer `<token's trainer>.completions.<gateway id>`; a router reads that trainer's
+result stream and hands each group to the request waiting for its job. Choices come
+prompt-major (all n of prompt 0, then prompt 1, ...), and each says which policy versions
+produced it (`policy_versions`, as rollq's version segments).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from rollq.gateway.http import ApiError
+from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling
+from rollq.queue.keys import Keys
+from rollq.queue.results import ResultReader
+from rollq.queue.scripts import Scripts
+
+log = logging.getLogger("rollq.gateway")
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    """The policy name."""
+    prompt: Any
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    stream: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    structured_outputs: dict[str, Any] | None = None
+    # rollq's own: the version window (see RolloutClient.submit) and how long to wait.
+    max_staleness: int | None = None
+    min_version: int | None = None
+    max_version: int | None = None
+    exact_version: int | None = None
+    timeout_s: float = 600.0
+
+
+def prompts_of(prompt: Any) -> list[list[int] | str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return list(prompt)
+    raise InvalidInput("prompt", "must be a string, a list of strings, a list of token ids or a list "
+                                 "of token-id lists, and not empty")
+
+
+def sampling_of(req: CompletionRequest) -> Sampling:
+    unsupported = dict(stream=req.stream, suffix=req.suffix, stop=req.stop, logit_bias=req.logit_bias,
+                       best_of=req.best_of not in (None, req.n) and req.best_of)
+    for name, value in unsupported.items():
+        if value:
+            hint = "; use stop_token_ids" if name == "stop" else ""
+            raise InvalidInput(name, f"is not supported by rollq's completions{hint}")
+    if req.echo and req.logprobs is not None:
+        raise InvalidInput("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
+    regex = None
+    if req.structured_outputs:
+        if set(req.structured_outputs) - {"regex"}:
+            raise InvalidInput("structured_outputs", "only {'regex': ...} is supported")
+        regex = req.structured_outputs["regex"]
+    extra: dict[str, Any] = {}
+    if req.ignore_eos:
+        extra["ignore_eos"] = True
+    if req.min_tokens:
+        extra["min_tokens"] = req.min_tokens
+    given = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                 repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                 frequency_penalty=req.frequency_penalty, seed=req.seed, stop_token_ids=req.stop_token_ids,
+                 max_tokens=req.max_tokens if req.max_tokens is not None else 16)
+    return Sampling(**{k: v for k, v in given.items() if v is not None}, logprobs=req.logprobs or 0,
+                    regex=regex, extra=extra)
+
+
+class Waiter:
+    def __init__(self, groups: int):
+        self.groups = groups
+        self.results: dict[int, GroupResult] = {}
+        self.done = asyncio.get_running_loop().create_future()
+
+    def add(self, result: GroupResult) -> None:
+        self.results[result.group_index] = result
+        if len(self.results) >= self.groups and not self.done.done():
+            self.done.set_result(None)
+
+
+class CompletionRouter:
+    """Reads one completions trainer's result stream and hands each group to its waiting request.
+
+    Results of a job nobody waits for (the caller left, or a previous gateway run) are
+    acknowledged and dropped: the caller has had its error already.
+    """
+
+    def __init__(self, redis: Redis, keys: Keys, trainer: str):
+        self.trainer = trainer
+        self._reader = ResultReader(redis, Scripts(redis), keys, trainer, "gateway")
+        self._waiting: dict[str, Waiter] = {}
+        self._task: asyncio.Task | None = None
+        self._closing = False
+
+    def expect(self, job_id: str, groups: int) -> Waiter:
+        waiter = self._waiting[job_id] = Waiter(groups)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"completions-{self.trainer}")
+        return waiter
+
+    def forget(self, job_id: str) -> None:
+        self._waiting.pop(job_id, None)
+
+    async def _run(self) -> None:
+        delay = 0.1
+        while not self._closing:  # ends by itself within a read: see PoolSampler.stopped
+            try:
+                entries = await self._reader.read(256, 1000)
+                delay = 0.1
+            except RedisError as e:
+                log.warning("completions router %s: %s; retrying in %.1f s", self.trainer, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                self._reader.replay()
+                continue
+            for _, result in entries:
+                waiter = self._waiting.get(result.job_id)
+                if waiter is not None:
+                    waiter.add(result)
+            if entries:
+                await self._reader.ack([entry_id for entry_id, _ in entries])
+
+    @property
+    def task(self) -> asyncio.Task | None:
+        return self._task
+
+    def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+
+
+class TokenText:
+    """Token ids → text, with the gateway's tokenizer if it has one."""
+
+    def __init__(self, tokenizer: Any | None):
+        self.tokenizer = tokenizer
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def token(self, token_id: int, as_id: bool) -> str:
+        if as_id or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+
+def _logprobs(sample: Sample, words: TokenText, as_ids: bool) -> dict:
+    ids, values = sample.token_ids, sample.token_logprobs
+    tokens = [words.token(t, as_ids) for t in ids]
+    top = sample.top() if sample.top_counts else [[(t, v)] for t, v in zip(ids, values)]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return dict(tokens=tokens, token_logprobs=values, text_offset=offsets,
+                top_logprobs=[{words.token(t, as_ids): v for t, v in position} for position in top])
+
+
+def response(req: CompletionRequest, job_id: str, results: list[GroupResult], prompts: list,
+             words: TokenText) -> dict:
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for r in sorted(results, key=lambda r: r.group_index):
+        if r.status != "ok":
+            status = 504 if r.status == "expired" else 400 if r.status == "failed" else 409
+            raise ApiError(status, f"prompt {r.group_index}: {r.status}: {r.reason}", "prompt")
+        prompt_ids = r.prompt_ids
+        prompt_tokens += len(prompt_ids)
+        original = prompts[r.group_index]
+        for j, sample in enumerate(r.samples):
+            ids = sample.token_ids
+            completion_tokens += len(ids)
+            text = words.text(ids)
+            if req.echo:
+                text = (original if isinstance(original, str) else words.text(prompt_ids)) + text
+            choice = dict(index=r.group_index * req.n + j, text=text,
+                          logprobs=_logprobs(sample, words, req.return_tokens_as_token_ids)
+                          if req.logprobs is not None else None,
+                          finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                          policy_versions=[list(v) for v in sample.versions])
+            if req.return_token_ids:
+                choice.update(prompt_token_ids=prompt_ids, token_ids=ids)
+            choices.append(choice)
+    return dict(id=job_id, object="text_completion", created=int(time.time()), model=req.model,
+                choices=choices, usage=dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                            total_tokens=prompt_tokens + completion_tokens))
+
+
+def new_job_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"

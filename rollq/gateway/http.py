@@ -1,0 +1,97 @@
+"""Bodies in and out (JSON or msgpack, by Content-Type and Accept) and errors as JSON.
+
+Every error a caller can cause leaves here as `{"error": {"message", "type", "field", "param",
+"code"}}` with the matching HTTP status: the shape OpenAI clients parse, plus the field name.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from rollq.gateway.schema import Error, ErrorBody
+from rollq.protocol import InvalidInput, QueueFull
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+_MSGPACK_TYPES = {MSGPACK, "application/x-msgpack", "application/vnd.msgpack"}
+
+T = TypeVar("T")
+log = logging.getLogger("rollq.gateway")
+
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 409: "conflict_error", 413: "request_too_large",
+          415: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.field = status, message, field
+
+
+def error_response(status: int, message: str, field: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    body = ErrorBody(Error(message, _KINDS.get(status, "server_error"), field, field, status))
+    return web.Response(status=status, body=msgspec.json.encode(body), content_type=JSON,
+                        headers=headers)
+
+
+_PATH = re.compile(r"`\$\.?([^`]*)`")
+
+
+async def read_body(request: web.Request, cls: type[T]) -> T:
+    """The request body decoded into `cls`; 400 naming the field when it does not fit."""
+    kind = request.content_type
+    data = await request.read()
+    if not data:
+        raise ApiError(400, "the request has no body; send a JSON object")
+    try:
+        if kind in _MSGPACK_TYPES:
+            return msgspec.msgpack.decode(data, type=cls)
+        if kind in (JSON, "application/octet-stream", "") or kind.endswith("+json"):
+            return msgspec.json.decode(data, type=cls)
+    except msgspec.ValidationError as e:
+        found = _PATH.search(str(e))
+        raise ApiError(400, str(e), found.group(1) if found else None) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the body is not valid {'msgpack' if kind in _MSGPACK_TYPES else 'JSON'}: {e}") \
+            from None
+    raise ApiError(415, f"Content-Type {kind!r} is not supported; send {JSON} or {MSGPACK}")
+
+
+def wants_msgpack(request: web.Request) -> bool:
+    accept = request.headers.get("Accept", "")
+    return any(t in accept for t in _MSGPACK_TYPES)
+
+
+def reply(request: web.Request, obj: Any, status: int = 200) -> web.Response:
+    if wants_msgpack(request):
+        return web.Response(status=status, body=msgspec.msgpack.encode(obj), content_type=MSGPACK)
+    return web.Response(status=status, body=msgspec.json.encode(obj), content_type=JSON)
+
+
+@web.middleware
+async def errors(request: web.Request, handler):
+    """Turn what a caller did wrong into a JSON error; anything else is a logged 500."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        headers = {"WWW-Authenticate": 'Bearer realm="rollq"'} if e.status == 401 else None
+        return error_response(e.status, e.message, e.field, headers)
+    except InvalidInput as e:
+        return error_response(400, str(e), e.field)
+    except QueueFull as e:
+        return error_response(429, str(e) or "the trainer's quota of outstanding groups is full; "
+                                             "retry later or consume results")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, e.text or e.reason)
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(500, "internal error; the gateway log has the details")

@@ -1,0 +1,205 @@
+"""The whole pool as the gateway sees it, sampled every second from Redis.
+
+Workers put running totals into their heartbeats (`rollq.worker.stats.Totals`); the sampler
+adds up what each live worker did since the last look. That feeds the gateway's `/metrics`
+(monotonic counters, queue depths) and the dashboard (time series, staleness histogram,
+workers, recent failures) without scraping any worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from rollq.queue.keys import Keys
+from rollq.status import PolicyStatus, policies, policy_status
+from rollq.worker.stats import LAG_BUCKETS, Totals
+
+SERIES_POINTS = 900
+"""Dashboard history: 15 minutes at one point per second."""
+log = logging.getLogger("rollq.gateway")
+
+_COUNTERS = ("tokens", "samples", "swaps", "swap_failures", "reclaims", "dead_letters", "errors")
+
+
+class Point(msgspec.Struct, array_like=True):
+    t: float
+    waiting: int
+    running: int
+    groups_per_s: float
+    tokens_per_s: float
+
+
+@dataclass
+class PolicyView:
+    status: PolicyStatus | None = None
+    series: collections.deque = field(default_factory=lambda: collections.deque(maxlen=SERIES_POINTS))
+    groups: collections.Counter = field(default_factory=collections.Counter)
+    counters: collections.Counter = field(default_factory=collections.Counter)
+    lag: collections.Counter = field(default_factory=collections.Counter)
+    swap_s: float = 0.0
+    seen: dict[str, Totals] = field(default_factory=dict)
+    dead: list[dict] = field(default_factory=list)
+    at: float = 0.0
+
+    def update(self, status: PolicyStatus, dead: list[dict], now: float) -> None:
+        """Add what each live worker did since the last sample; a worker seen for the first time
+        adds its totals to the counters but not to the rates (it did that work before)."""
+        groups_delta = tokens_delta = 0
+        for w in status.workers:
+            cur, prev = w.totals, self.seen.get(w.worker_id)
+            base = prev or Totals()
+            for name, count in cur.groups.items():
+                self.groups[name] += max(0, count - base.groups.get(name, 0))
+                if prev is not None:
+                    groups_delta += max(0, count - base.groups.get(name, 0))
+            for name in _COUNTERS:
+                self.counters[name] += max(0, getattr(cur, name) - getattr(base, name))
+            if prev is not None:
+                tokens_delta += max(0, cur.tokens - base.tokens)
+            for lag, count in cur.lag.items():
+                self.lag[lag] += max(0, count - base.lag.get(lag, 0))
+            self.swap_s += max(0.0, cur.swap_s - base.swap_s)
+            self.seen[w.worker_id] = cur
+        live = {w.worker_id for w in status.workers}
+        self.seen = {k: v for k, v in self.seen.items() if k in live}
+        dt = now - self.at if self.at else 0.0
+        self.series.append(Point(now, sum(q.waiting for q in status.queues),
+                                 sum(q.running for q in status.queues),
+                                 groups_delta / dt if dt else 0.0, tokens_delta / dt if dt else 0.0))
+        self.status, self.dead, self.at = status, dead, now
+
+    def failures(self) -> list[dict]:
+        """Newest first: dead letters and failed/expired groups reported by live workers."""
+        out = list(self.dead)
+        for w in self.status.workers if self.status else []:
+            out += [dict(at=f.at, job_id=f.job_id, group_index=f.group_index, status=f.status,
+                         reason=f.reason, worker=w.worker_id) for f in w.totals.failures]
+        return sorted(out, key=lambda f: -f["at"])[:20]
+
+
+class PoolSampler:
+    def __init__(self, redis: Redis, only: list[str] | None, interval_s: float = 1.0):
+        self.redis, self.only, self.interval_s = redis, only, interval_s
+        self.views: dict[str, PolicyView] = {}
+        self.healthy = False
+        self.stopped = asyncio.Event()
+        """Set to end `run` at its next turn: a cancellation alone can be lost inside redis-py
+        on Python 3.11 (seen here: a gateway's shutdown hung on it)."""
+
+    async def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                await self.sample()
+                self.healthy = True
+            except RedisError as e:
+                self.healthy = False
+                log.warning("pool sampler: %s", e)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopped.wait(), self.interval_s)
+
+    async def sample(self) -> None:
+        names = self.only or await policies(self.redis)
+        now = time.time()
+        for name in names:
+            status = await policy_status(self.redis, name)
+            view = self.views.setdefault(name, PolicyView())
+            view.update(status, await self._dead_letters(name), now)
+
+    async def _dead_letters(self, policy: str) -> list[dict]:
+        out = []
+        for entry_id, fields in await self.redis.xrevrange(Keys(policy).dead, count=10):
+            at = int(entry_id.decode().split("-")[0]) / 1000
+            out.append(dict(at=at, job_id="", group_index=-1, status="dead-lettered",
+                            reason=fields.get(b"reason", b"").decode(errors="replace")[:300],
+                            worker=""))
+        return out
+
+    # --- Prometheus (a custom collector: collect() reads the last sample, never Redis) --------
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = {name: GaugeMetricFamily(f"rollq_{name}", doc, labels=labels) for name, doc, labels in (
+            ("queue_waiting", "Groups no worker has read yet.", ["policy", "trainer"]),
+            ("queue_running", "Groups a worker holds.", ["policy", "trainer"]),
+            ("results_unacked", "Results the trainer has not acknowledged.", ["policy", "trainer"]),
+            ("workers", "Live workers by state.", ["policy", "state"]),
+            ("worker_version", "Policy version each live worker serves.", ["policy", "worker"]),
+            ("latest_version", "Newest registered policy version.", ["policy"]),
+        )}
+        groups = CounterMetricFamily("rollq_groups", "Terminal group results, by status.",
+                                     labels=["policy", "status"])
+        counters = {name: CounterMetricFamily(f"rollq_{name}", f"Pool total of {name.replace('_', ' ')}.",
+                                              labels=["policy"]) for name in _COUNTERS}
+        swap_s = CounterMetricFamily("rollq_swap_seconds", "Time spent swapping weights.", labels=["policy"])
+        lag = HistogramMetricFamily("rollq_version_lag", "Policy-version lag of delivered samples.",
+                                    labels=["policy"])
+        for policy, view in self.views.items():
+            s = view.status
+            if s is None:
+                continue
+            for q in s.queues:
+                g["queue_waiting"].add_metric([policy, q.trainer], q.waiting)
+                g["queue_running"].add_metric([policy, q.trainer], q.running)
+                g["results_unacked"].add_metric([policy, q.trainer], q.results)
+            for state, count in collections.Counter(w.state for w in s.workers).items():
+                g["workers"].add_metric([policy, state], count)
+            for w in s.workers:
+                g["worker_version"].add_metric([policy, w.worker_id], w.version)
+            if s.latest is not None:
+                g["latest_version"].add_metric([policy], s.latest)
+            for status, count in view.groups.items():
+                groups.add_metric([policy, status], count)
+            for name in _COUNTERS:
+                counters[name].add_metric([policy], view.counters[name])
+            swap_s.add_metric([policy], view.swap_s)
+            lag.add_metric([policy], _buckets(view.lag), sum(k * c for k, c in view.lag.items()))
+        yield from g.values()
+        yield groups
+        yield from counters.values()
+        yield swap_s
+        yield lag
+
+    # --- Dashboard -----------------------------------------------------------------------------
+
+    def dashboard(self) -> dict:
+        out = {}
+        for policy, view in sorted(self.views.items()):
+            s = view.status
+            if s is None:
+                continue
+            points = list(view.series)
+            out[policy] = dict(
+                latest=s.latest, versions=s.versions[-20:],
+                series=dict(t=[p.t for p in points], waiting=[p.waiting for p in points],
+                            running=[p.running for p in points],
+                            groups_per_s=[round(p.groups_per_s, 3) for p in points],
+                            tokens_per_s=[round(p.tokens_per_s, 1) for p in points]),
+                workers=[dict(id=w.worker_id, version=w.version, state=w.state, inflight=w.inflight,
+                              pinned=w.pinned, last_error=w.last_error, age_s=round(time.time() - w.at, 1))
+                         for w in s.workers],
+                queues=[msgspec.structs.asdict(q) for q in s.queues],
+                groups=dict(view.groups), tokens=view.counters["tokens"],
+                lag={str(k): v for k, v in sorted(view.lag.items())},
+                failures=view.failures())
+        return out
+
+
+def _buckets(lag: collections.Counter) -> list[tuple[str, int]]:
+    out = []
+    for bound in LAG_BUCKETS:
+        running = sum(c for k, c in lag.items() if k <= bound)
+        out.append((str(float(bound)), running))
+    out.append(("+Inf", sum(lag.values())))
+    return out

@@ -1,0 +1,141 @@
+"""The gateway's HTTP bodies, as msgspec Structs with named fields.
+
+These are the HTTP API's own types, not the Redis wire format (`rollq.protocol`): token ids are
+plain integer lists here, so any language can use the API with JSON alone. Requests forbid
+unknown fields, so a misspelt field is an error that names it, not a silently ignored setting.
+The OpenAPI document is generated from these types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from rollq.protocol import GroupResult, Sample, VersionEntry, unpack_floats, unpack_tokens
+
+_REQUEST = dict(forbid_unknown_fields=True, kw_only=True)
+
+
+class Error(msgspec.Struct):
+    message: str
+    type: str
+    """`invalid_request_error`, `authentication_error`, `permission_error`, `not_found_error`..."""
+    field: str | None = None
+    """The request field at fault, when there is one (also as `param`, as OpenAI clients expect)."""
+    param: str | None = None
+    code: int = 400
+
+
+class ErrorBody(msgspec.Struct):
+    error: Error
+
+
+class SubmitRequest(msgspec.Struct, **_REQUEST):
+    prompts: list[list[int] | str]
+    """One prompt group per entry: token ids, or text for workers whose model has a tokenizer."""
+    n: int = 1
+    sampling: dict[str, Any] = {}
+    """Sampling settings: temperature, top_p, top_k, min_p, max_tokens, logprobs, seed, ..."""
+    job_id: str | None = None
+    """Make the submit idempotent: the same id again adds nothing."""
+    deadline_s: float | None = None
+    meta: dict[str, Any] | None = None
+    max_staleness: int | None = None
+    min_version: int | None = None
+    max_version: int | None = None
+    exact_version: int | None = None
+
+
+class Submitted(msgspec.Struct):
+    job_id: str
+    groups: int
+
+
+class SampleView(msgspec.Struct):
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    stop_reason: int | str | None
+    versions: list[tuple[int, int]]
+    """(policy version, index of the first token it produced), in order."""
+    top_logprobs: list[list[tuple[int, float | None]]] | None = None
+
+
+class ResultView(msgspec.Struct):
+    id: str
+    """Result-stream entry id: acknowledge it with POST .../results/ack."""
+    job_id: str
+    group_index: int
+    status: str
+    reason: str
+    prompt_token_ids: list[int]
+    samples: list[SampleView]
+    worker_id: str
+    queued_s: float
+    generation_s: float
+    finished_at: float
+
+
+class ResultBatch(msgspec.Struct):
+    results: list[ResultView]
+
+
+class AckRequest(msgspec.Struct, **_REQUEST):
+    ids: list[str]
+
+
+class Acked(msgspec.Struct):
+    acked: int
+
+
+class Cancelled(msgspec.Struct):
+    job_id: str
+    cancelled: int
+    """Groups that had no result yet and end `cancelled`."""
+
+
+class PublishRequest(msgspec.Struct, **_REQUEST):
+    version: int
+    path: str
+    """A directory of safetensors files under one of the gateway's allowed weight roots."""
+    copy: bool = False
+    """Copy the files into the weight store (True) or register the directory in place."""
+    keep: int | None = None
+
+
+class FileView(msgspec.Struct):
+    name: str
+    sha256: str
+    bytes: int
+
+
+class VersionView(msgspec.Struct):
+    version: int
+    path: str
+    files: list[FileView]
+    bytes: int
+    created_at: float
+    publisher: str
+
+
+class VersionList(msgspec.Struct):
+    latest: int | None
+    versions: list[VersionView]
+
+
+def sample_view(s: Sample) -> SampleView:
+    return SampleView(unpack_tokens(s.tokens), unpack_floats(s.logprobs), s.finish_reason,
+                      s.stop_reason, [tuple(v) for v in s.versions],
+                      s.top() if s.top_counts else None)
+
+
+def result_view(entry_id: str, r: GroupResult) -> ResultView:
+    return ResultView(entry_id, r.job_id, r.group_index, r.status, r.reason, r.prompt_ids,
+                      [sample_view(s) for s in r.samples], r.worker_id, r.queued_s, r.generation_s,
+                      r.finished_at)
+
+
+def version_view(e: VersionEntry) -> VersionView:
+    return VersionView(e.version, e.path, [FileView(f.name, f.sha256, f.bytes) for f in e.files],
+                       e.bytes, e.created_at, e.publisher)

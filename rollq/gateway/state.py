@@ -1,0 +1,138 @@
+"""What the gateway holds while it runs: its settings, one Redis connection pool, a client per
+(policy, trainer), the completions routers, the pool sampler and its metrics registry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from redis.asyncio import Redis
+
+from rollq.client import RolloutClient
+from rollq.gateway.auth import Tokens
+from rollq.gateway.completions import CompletionRouter, TokenText
+from rollq.gateway.pool_view import PoolSampler
+from rollq.protocol import InvalidInput, check_id
+from rollq.queue.connection import DEFAULT_URL
+from rollq.queue.keys import Keys
+from rollq.queue.results import ResultReader
+from rollq.queue.scripts import Scripts
+
+log = logging.getLogger("rollq.gateway")
+
+
+def _default_store() -> str:
+    return os.environ.get("ROLLQ_WEIGHT_STORE", str(Path.home() / ".cache" / "rollq" / "weights"))
+
+
+class GatewaySettings(msgspec.Struct, kw_only=True):
+    redis_url: str = DEFAULT_URL
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokens: str | None = None
+    """JSON file of bearer tokens → (trainer, policies); see gateway/auth.py."""
+    no_auth: bool = False
+    """Every request is the trainer `anonymous` with every policy. Loopback use only."""
+    policies: list[str] = []
+    """Show and serve only these policies (default: every policy found in Redis)."""
+    gateway_id: str = "gateway"
+    """Names this gateway's completions trainers; give each of several gateways its own."""
+    weight_store: str = msgspec.field(default_factory=_default_store)
+    weight_roots: list[Path] = []
+    """Directories whose subdirectories may be published by path (default: the weight store)."""
+    tokenizer: str | None = None
+    """A local tokenizer directory: text prompts are tokenized here and completions get text."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_outstanding: int = 65_536
+    """Quota of unfinished groups per trainer submitting through the gateway."""
+
+    def validate(self) -> GatewaySettings:
+        if self.tokens is None and not self.no_auth:
+            raise InvalidInput("tokens", "give a token file (--tokens FILE) or run with --no-auth")
+        if self.tokens is not None and self.no_auth:
+            raise InvalidInput("tokens", "--tokens and --no-auth exclude each other")
+        for name in self.policies:
+            check_id("policy", name)
+        check_id("gateway_id", self.gateway_id)
+        if not 0 <= self.port <= 65_535:
+            raise InvalidInput("port", f"port={self.port} is out of range [0, 65535]")
+        if not 1024 <= self.max_body_bytes <= 2**31:
+            raise InvalidInput("max_body_bytes", f"{self.max_body_bytes} is out of range [1024, 2**31]")
+        self.weight_roots = [Path(p).resolve() for p in (self.weight_roots or [self.weight_store])]
+        return self
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, redis: Redis, tokenizer: Any | None = None):
+        self.settings = settings
+        self.redis = redis
+        self.scripts = Scripts(redis)
+        self.tokens = Tokens.load(settings.tokens) if settings.tokens else Tokens(None)
+        self.words = TokenText(tokenizer)
+        self._clients: dict[tuple[str, str], RolloutClient] = {}
+        self._routers: dict[tuple[str, str], CompletionRouter] = {}
+        self.sampler = PoolSampler(redis, settings.policies or None)
+        self.metrics = CollectorRegistry()
+        self.metrics.register(self.sampler)
+        self.requests = Counter("rollq_gateway_requests", "HTTP requests by route and status code.",
+                                ["route", "code"], registry=self.metrics)
+        self.latency = Histogram("rollq_gateway_request_seconds", "HTTP request duration by route.",
+                                 ["route"], registry=self.metrics)
+        self._sampling: asyncio.Task | None = None
+
+    def keys(self, policy: str) -> Keys:
+        return Keys(policy)
+
+    def client(self, policy: str, trainer: str) -> RolloutClient:
+        key = (policy, trainer)
+        if key not in self._clients:
+            self._clients[key] = RolloutClient(policy=policy, trainer_id=trainer, redis=self.redis,
+                                               max_outstanding=self.settings.max_outstanding,
+                                               weight_store=self.settings.weight_store)
+        return self._clients[key]
+
+    def reader(self, policy: str, trainer: str) -> ResultReader:
+        """A fresh reader: it starts with the trainer's results delivered but not acknowledged."""
+        return ResultReader(self.redis, self.scripts, Keys(policy), trainer, trainer)
+
+    def completions_trainer(self, trainer: str) -> str:
+        return f"{trainer}.completions.{self.settings.gateway_id}"[:128]
+
+    def router(self, policy: str, trainer: str) -> CompletionRouter:
+        key = (policy, trainer)
+        if key not in self._routers:
+            self._routers[key] = CompletionRouter(self.redis, Keys(policy), trainer)
+        return self._routers[key]
+
+    def encode_text(self, prompt: list[int] | str) -> list[int] | str:
+        """Text prompts are tokenized here when the gateway has a tokenizer, else by the worker."""
+        if isinstance(prompt, str) and self.words.tokenizer is not None:
+            return self.words.tokenizer.encode(prompt)
+        return prompt
+
+    async def start(self) -> None:
+        self._sampling = asyncio.create_task(self.sampler.run(), name="pool-sampler")
+
+    async def stop(self) -> None:
+        """Bounded: background tasks are told to stop and cancelled, then waited for 5 s at most."""
+        self.sampler.stopped.set()
+        tasks = [self._sampling] if self._sampling else []
+        for router in self._routers.values():
+            router.close()
+            tasks += [router.task] if router.task else []
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=5.0)
+            for task in stuck:
+                log.warning("gateway task %s did not stop", task.get_name())
+        await self.redis.aclose()
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
