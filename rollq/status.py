@@ -34,11 +34,11 @@ class PolicyStatus(msgspec.Struct):
 
 
 async def policies(redis: Redis) -> list[str]:
+    """Policies with trainers, registered versions or workers."""
     found = set()
-    async for key in redis.scan_iter(match="rollq:{*}:trainers", count=1000):
-        found.add(key.decode().split("{", 1)[1].split("}", 1)[0])
-    async for key in redis.scan_iter(match="rollq:{*}:latest", count=1000):
-        found.add(key.decode().split("{", 1)[1].split("}", 1)[0])
+    for kind in ("trainers", "latest", "workers"):
+        async for key in redis.scan_iter(match=f"rollq:{{*}}:{kind}", count=1000):
+            found.add(key.decode().split("{", 1)[1].split("}", 1)[0])
     return sorted(found)
 
 

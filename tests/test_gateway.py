@@ -4,7 +4,9 @@ about the HTTP surface, not generation) and a real redis-server."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -238,3 +240,41 @@ async def test_public_pages_need_no_token(make_gateway, path):
     gw = await make_gateway()
     async with aiohttp.ClientSession(gw.url) as http, http.get(path) as r:
         assert r.status == 200
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+async def _chromium(*args: str, timeout_s: float = 90) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+        "--virtual-time-budget=6000", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    return out.decode()
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
+                    reason="no chromium (`make setup` installs Debian's as root)")
+async def test_dashboard_renders_live_numbers_in_headless_chromium(make_gateway, make_worker, make_client,
+                                                                     policy, tmp_path):
+    gw = await make_gateway()
+    w, _ = make_worker()
+    client = make_client()
+    await client.submit([[i + 1] for i in range(12)], n=2, sampling={"max_tokens": 3})
+    await client.take(12, timeout_s=30)
+    async with aiohttp.ClientSession(gw.url) as http:
+        async def counted():
+            async with http.get("/api/dashboard") as r:
+                p = (await r.json())["policies"].get(policy)
+                return p and p["groups"].get("ok") == 12
+
+        await wait_until(counted, what="the sampler to count 12 groups")
+    dom = await _chromium("--dump-dom", f"{gw.url}/")
+    assert f'<option>{policy}</option>' in dom
+    assert '<div class="tile" data-name="groups done"><b>12</b>' in dom
+    assert w.worker_id in dom and '<span class="state serving">serving</span>' in dom
+    assert dom.count('class="uplot') == 3  # throughput, queue depth, staleness charts
+    shot = tmp_path / "dashboard.png"
+    await _chromium(f"--screenshot={shot}", "--window-size=1400,1000", f"{gw.url}/")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

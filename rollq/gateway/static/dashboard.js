@@ -41,17 +41,19 @@ function tables(p) {
 function draw(p) {
   const s = p.series;
   chart("throughput", [{label: "groups/s", stroke: "#1c7ed6", width: 2},
-                       {label: "tokens/s", stroke: "#2f9e44", width: 2, scale: "tok"}],
+                       {label: "tokens/s", stroke: "#2f9e44", width: 2, dash: [6, 4], scale: "tok"}],
         [s.t, s.groups_per_s, s.tokens_per_s],
         {axes: [{}, {label: "groups/s"}, {side: 1, scale: "tok", label: "tokens/s", grid: {show: false}}]});
   chart("depth", [{label: "waiting", stroke: "#f08c00", fill: "#f08c0022", width: 2},
                   {label: "running", stroke: "#7048e8", width: 2}], [s.t, s.waiting, s.running]);
-  const lags = Object.keys(p.lag).map(Number);
-  const xs = lags.length ? lags : [0];
+  // Every lag from 0 to the largest seen (at least 4), so the bars read as a histogram.
+  const top = Math.max(4, ...Object.keys(p.lag).map(Number));
+  const xs = Array.from({length: top + 1}, (_, k) => k);
   chart("lag", [{label: "samples", stroke: "#c2255c", fill: "#c2255c55", paths: uPlot.paths.bars({size: [0.6]})}],
         [xs, xs.map((k) => p.lag[String(k)] || 0)],
         {scales: {x: {time: false, range: (u, lo, hi) => [lo - 0.5, hi + 0.5]}},
-         axes: [{label: "versions behind", incrs: [1]}, {label: "samples"}]});
+         axes: [{label: "versions behind", incrs: [1], values: (u, vals) => vals.map((v) => Number.isInteger(v) ? v : "")},
+                {label: "samples"}]});
   tiles(p);
   tables(p);
 }
