@@ -9,7 +9,7 @@ pickle of the same data as plain Python lists, measured in the same run. Medians
 from __future__ import annotations
 
 import json
-import pickle
+import pickle  # noqa: TID251 (a timing baseline on our own in-memory objects; nothing read from a wire)
 import platform
 import random
 import statistics

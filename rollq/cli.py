@@ -246,6 +246,29 @@ def demo(steps: int, groups: int, n: int, staleness: int, out_dir: str, redis_ur
     asyncio.run(run_demo(settings))
 
 
+@main.command()
+@click.option("--minutes", default=3.0, show_default=True, help="How long to inject faults.")
+@click.option("--workers", default=3, show_default=True, help="Instant-engine worker processes.")
+@click.option("--seed", type=int, default=None, help="Random seed (printed; default: random).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the summary here.")
+def chaos(minutes: float, workers: int, seed: int | None, json_path: str | None) -> None:
+    """Random worker kills and freezes, Redis restarts and killed connections while a trainer
+    submits and publishes; exits non-zero if any group was lost or delivered twice."""
+    import msgspec
+
+    from rollq.chaos import ChaosSettings, render
+    from rollq.chaos import chaos as run_chaos
+
+    if not 0 < minutes <= 24 * 60 or not 1 <= workers <= 64:
+        raise click.BadParameter("minutes must be in (0, 1440] and workers in [1, 64]")
+    summary = asyncio.run(run_chaos(ChaosSettings(minutes=minutes, workers=workers, seed=seed)))
+    render(summary)
+    if json_path:
+        Path(json_path).write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
+    sys.exit(0 if summary.ok else 1)
+
+
 @main.command(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True))
 @click.option("--workers", envvar="ROLLQ_WORKERS", default=1, show_default=True,
               help="Worker processes on this host.")

@@ -20,6 +20,9 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from rollq.protocol import (
     MAX_JOB_GROUPS,
     GroupResult,
@@ -108,12 +111,15 @@ class RolloutClient:
         max_outstanding: int = 65_536,
         weight_store: str | None = None,
         redis=None,
+        reconnect_s: float = 60.0,
     ):
         self.keys = Keys(policy)
         self.trainer_id = check_id("trainer_id", trainer_id)
         if not 1 <= max_outstanding <= 10_000_000:
             raise InvalidInput("max_outstanding", f"{max_outstanding} is out of range [1, 10000000]")
         self.max_outstanding = max_outstanding
+        self.reconnect_s = reconnect_s
+        """How long calls keep retrying while Redis is unreachable."""
         self.redis = redis if redis is not None else connect(redis_url)
         self._owns_redis = redis is None
         self.scripts = Scripts(self.redis)
@@ -173,10 +179,11 @@ class RolloutClient:
         delay = 0.01
         while True:
             try:
-                await jobs.enqueue(self.redis, self.scripts, self.keys, trainer=self.trainer_id,
-                                   job_id=job_id, items=[b for b, _ in items],
-                                   quota=self.max_outstanding, deadline=deadline, meta=meta_bytes,
-                                   min_version=window[0], max_version=window[1])
+                # Retried through connection loss: the job id makes a repeated enqueue a no-op.
+                await self._retrying(
+                    jobs.enqueue, self.redis, self.scripts, self.keys, trainer=self.trainer_id,
+                    job_id=job_id, items=[b for b, _ in items], quota=self.max_outstanding,
+                    deadline=deadline, meta=meta_bytes, min_version=window[0], max_version=window[1])
                 return job_id
             except QueueFull:
                 if not wait or (give_up is not None and time.monotonic() >= give_up):
@@ -188,6 +195,22 @@ class RolloutClient:
                     break
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.5)
+
+    async def _retrying(self, func, *args, reading: bool = False, **kwargs):
+        """`await func(*args, **kwargs)`, again with backoff while Redis is unreachable (a restart, a killed
+        connection), for up to `reconnect_s`. A read starts over with the results delivered but
+        not acknowledged, in case the lost reply carried some."""
+        give_up, delay = time.monotonic() + self.reconnect_s, 0.05
+        while True:
+            try:
+                return await func(*args, **kwargs)
+            except (RedisConnectionError, RedisTimeoutError):
+                if time.monotonic() > give_up:
+                    raise
+                if reading:
+                    self._reader.replay()
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 2.0)
 
     def _encode_items(self, job_id: str, prompts: list[list[int] | str], n: int, sampling: Sampling,
                       deadline_s: float | None, window: tuple[int, int | None, int | None],
@@ -230,9 +253,10 @@ class RolloutClient:
         to_ack: list[str] = []
         while True:
             if to_ack:
-                await self._reader.ack(to_ack)
+                await self._retrying(self._reader.ack, to_ack)
                 to_ack = []
-            for entry_id, result in await self._reader.read(batch, int(block_s * 1000)):
+            entries = await self._retrying(self._reader.read, batch, int(block_s * 1000), reading=True)
+            for entry_id, result in entries:
                 yield result
                 to_ack.append(entry_id)
 
@@ -244,9 +268,10 @@ class RolloutClient:
             left = give_up - time.monotonic()
             if left <= 0:
                 break
-            entries = await self._reader.read(count - len(got), max(1, int(min(left, 1.0) * 1000)))
+            entries = await self._retrying(self._reader.read, count - len(got),
+                                           max(1, int(min(left, 1.0) * 1000)), reading=True)
             if entries:
-                await self._reader.ack([e for e, _ in entries])
+                await self._retrying(self._reader.ack, [e for e, _ in entries])
                 got.extend(r for _, r in entries)
         return got
 

@@ -1,6 +1,7 @@
 """Worker and pool processes on real vLLM engines: an engine that dies, a pool that restarts."""
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -93,9 +94,12 @@ async def test_pool_restarts_a_killed_worker_and_stops_in_stages(make_client, ma
             [sys.executable, "-m", "rollq", "pool", "--workers", "2", "--grace-s", "2",
              "--redis-url", redis_url, "--policy", policy, "--engine", "vllm", "--poll-s", "0.2",
              *cli_flags(engine_flags(tiny_model))],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"COLUMNS": "200"})
     try:
         await wait_until(lambda: len(pool_workers(pool)) == 2, what="two workers")
+        # Both engines up before one is killed (on a loaded machine one may take a minute).
+        await wait_until(lambda: log_path.read_text().count("serving policy") == 2, timeout_s=180,
+                         what="both engines up")
         first = pool_workers(pool)
         await client.submit([[1, i + 3] for i in range(4)], n=2, sampling={"max_tokens": 8})
         assert len(await collect(client, 4, timeout_s=120)) == 4  # the pool serves

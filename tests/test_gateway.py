@@ -270,11 +270,11 @@ async def test_dashboard_renders_live_numbers_in_headless_chromium(make_gateway,
                 return p and p["groups"].get("ok") == 12
 
         await wait_until(counted, what="the sampler to count 12 groups")
-    dom = await _chromium("--dump-dom", f"{gw.url}/")
-    assert f'<option>{policy}</option>' in dom
+    dom = await _chromium("--dump-dom", f"{gw.url}/?policy={policy}")
+    assert f'<option>{policy}</option>' in dom  # among every other test's policies
     assert '<div class="tile" data-name="groups done"><b>12</b>' in dom
     assert w.worker_id in dom and '<span class="state serving">serving</span>' in dom
     assert dom.count('class="uplot') == 3  # throughput, queue depth, staleness charts
     shot = tmp_path / "dashboard.png"
-    await _chromium(f"--screenshot={shot}", "--window-size=1400,1000", f"{gw.url}/")
+    await _chromium(f"--screenshot={shot}", "--window-size=1400,1000", f"{gw.url}/?policy={policy}")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

@@ -98,6 +98,11 @@ class Keys:
         """A worker's last heartbeat; expires when the worker stops beating."""
         return f"{self._p}:worker:{worker_id}"
 
+    @property
+    def every_key(self) -> str:
+        """Glob pattern matching every key of the policy (ACL rules, scans)."""
+        return f"{self._p}:*"
+
     def trainer_of(self, work_stream: str) -> str:
         prefix = f"{self._p}:work:"
         if not work_stream.startswith(prefix):

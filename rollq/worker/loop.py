@@ -9,11 +9,15 @@ worker drops it without writing anything).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import random
 import time
 from dataclasses import dataclass
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.engine.base import Engine, EngineDead, GroupError
 from rollq.protocol import (MAX_N, GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode,
@@ -80,6 +84,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._hurry = asyncio.Event()
         self._fatal: BaseException | None = None
+        self._streams: list[str] = []
+        self._next_refresh = self._next_reclaim = 0.0
 
     @property
     def stopping(self) -> bool:
@@ -101,7 +107,8 @@ class Worker:
         renewing = asyncio.create_task(self._renew_loop(), name="renew")
         following = [asyncio.create_task(follower.run(), name="follow-versions")] if follower else []
         try:
-            await self._beat()
+            with contextlib.suppress(RedisError):  # Redis may be down: the renew loop beats again
+                await self._beat()
             await self._feed_loop()
             self.state = "stopping"
             await self._drain()
@@ -129,37 +136,49 @@ class Worker:
     # --- claiming ----------------------------------------------------------------------------
 
     async def _feed_loop(self) -> None:
-        streams: list[str] = []
-        next_refresh = next_reclaim = 0.0
-        reclaim_every = min(self.lease_s / 2, 5.0)
+        """Claim while there is room; a Redis outage pauses claiming (with backoff), never ends it."""
+        delay = 0.1
         while not self._stopping.is_set():
-            if not self.engine.alive:
-                self._fatal = EngineDead("the engine died")
-                self._stopping.set()
-                break
-            free = self._free_slots()
-            if free <= 0:
-                self._slot_freed.clear()
-                await _first(self._slot_freed.wait(), self._stopping.wait())
-                continue
-            now = time.monotonic()
-            if now >= next_refresh:
-                streams = await self.queue.streams()
-                next_refresh = now + self.poll_s
-            if not streams:
-                await _first(self._stopping.wait(), timeout=self.poll_s)
-                continue
-            claimed: list[Claimed] = []
-            if now >= next_reclaim:
-                claimed = await self.queue.reclaim(streams, int(self.lease_s * 1000), free)
-                self.stats.reclaimed(len(claimed))
-                next_reclaim = now + reclaim_every
-            block_ms = 0 if claimed else int(self.poll_s * 1000)
-            claimed += await self.queue.claim(streams, free - len(claimed), block_ms)
-            if self._stopping.is_set() and claimed:
-                await self.queue.release(claimed)
-                break
-            await self._start(claimed)
+            try:
+                if not await self._feed_once():
+                    break
+                delay = 0.1
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                self.last_error = f"redis unreachable: {e}"
+                log.warning("redis unreachable (%s); claiming again in %.1f s", e, delay)
+                await _first(self._stopping.wait(), timeout=delay * (0.5 + random.random()))
+                delay = min(delay * 2, 5.0)
+
+    async def _feed_once(self) -> bool:
+        """One round of claiming; False when the worker must stop."""
+        if not self.engine.alive:
+            self._fatal = EngineDead("the engine died")
+            self._stopping.set()
+            return False
+        free = self._free_slots()
+        if free <= 0:
+            self._slot_freed.clear()
+            await _first(self._slot_freed.wait(), self._stopping.wait())
+            return True
+        now = time.monotonic()
+        if now >= self._next_refresh:
+            self._streams = await self.queue.streams()
+            self._next_refresh = now + self.poll_s
+        if not self._streams:
+            await _first(self._stopping.wait(), timeout=self.poll_s)
+            return True
+        claimed: list[Claimed] = []
+        if now >= self._next_reclaim:
+            claimed = await self.queue.reclaim(self._streams, int(self.lease_s * 1000), free)
+            self.stats.reclaimed(len(claimed))
+            self._next_reclaim = now + min(self.lease_s / 2, 5.0)
+        block_ms = 0 if claimed else int(self.poll_s * 1000)
+        claimed += await self.queue.claim(self._streams, free - len(claimed), block_ms)
+        if self._stopping.is_set() and claimed:
+            await self.queue.release(claimed)
+            return False
+        await self._start(claimed)
+        return True
 
     def _free_slots(self) -> int:
         """Groups to claim now: up to max_inflight, and while their samples leave the engine room.
@@ -293,7 +312,20 @@ class Worker:
         await self._finish(c, result, dead_reason=reason if dead else "")
 
     async def _finish(self, c: Claimed, result: GroupResult, dead_reason: str = "") -> None:
-        outcome = await self.queue.finish(c, result.status, encode(result), dead_reason=dead_reason)
+        """Write the result; through a Redis outage, retried while the lease would still hold
+        (fencing makes a late or repeated write a no-op)."""
+        give_up, delay = time.monotonic() + self.lease_s, 0.1
+        while True:
+            try:
+                outcome = await self.queue.finish(c, result.status, encode(result), dead_reason=dead_reason)
+                break
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                if time.monotonic() > give_up:
+                    raise
+                log.warning("writing group %s/%s: redis unreachable (%s); retrying", c.job_id,
+                            c.group_index, e)
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 2.0)
         if outcome != "ok":
             log.warning("group %s/%s: result not written (%s)", c.job_id, c.group_index, outcome)
             return

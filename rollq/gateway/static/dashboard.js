@@ -64,7 +64,8 @@ async function refresh() {
     const d = await r.json();
     const names = Object.keys(d.policies);
     if (names.join() !== [...select.options].map((o) => o.value).join()) {
-      const keep = select.value;
+      // Keep the policy shown; at first, the one the URL names (?policy=...).
+      const keep = select.value || new URLSearchParams(location.search).get("policy");
       select.innerHTML = names.map((n) => `<option>${text(n)}</option>`).join("");
       if (names.includes(keep)) select.value = keep;
     }
@@ -76,6 +77,10 @@ async function refresh() {
     document.getElementById("health").textContent = "gateway unreachable";
   }
 }
-select.addEventListener("change", () => { for (const k in charts) { charts[k].destroy(); delete charts[k]; } refresh(); });
+select.addEventListener("change", () => {
+  for (const k in charts) { charts[k].destroy(); delete charts[k]; }
+  history.replaceState(null, "", "?policy=" + encodeURIComponent(select.value));
+  refresh();
+});
 refresh();
 setInterval(refresh, 1000);

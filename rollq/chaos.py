@@ -1,0 +1,205 @@
+"""`rollq chaos`: minutes of random faults against a private durable Redis and instant-engine
+worker processes while a trainer submits, reads and publishes; then count what came back.
+
+Faults: worker SIGKILL (a replacement starts), worker SIGSTOP for a few seconds, Redis SIGKILL
+and restart (AOF, fsync always), killed client connections. Every `publish_every_s` the trainer
+publishes a new weight version, which the workers swap to. At the end every acknowledged group
+must have exactly one terminal result: the summary says submitted / delivered / duplicated /
+lost, and the exit code is non-zero on any loss or duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from redis.exceptions import RedisError
+from rich.console import Console
+
+from rollq.client import RolloutClient
+from rollq.faults import RedisProcess
+from rollq.queue.connection import connect
+from rollq.worker.pool import reap_group
+
+POLICY = "chaos"
+console = Console()
+
+
+@dataclass
+class ChaosSettings:
+    minutes: float = 3.0
+    workers: int = 3
+    seed: int | None = None
+    publish_every_s: float = 5.0
+    settle_s: float = 180.0
+    """After the faults stop: how long to wait for the last results."""
+
+
+class Summary(msgspec.Struct):
+    minutes: float
+    seed: int
+    submitted_jobs: int
+    submitted_groups: int
+    delivered: int
+    duplicated: int
+    lost: int
+    statuses: dict[str, int]
+    faults: dict[str, int]
+    versions_published: int
+
+    @property
+    def ok(self) -> bool:
+        return self.lost == 0 and self.duplicated == 0
+
+
+@dataclass
+class _Run:
+    settings: ChaosSettings
+    workdir: Path
+    redis: RedisProcess
+    rng: random.Random
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    acknowledged: dict[str, int] = field(default_factory=dict)
+    """job id -> groups, for every submit that returned."""
+    seen: Counter = field(default_factory=Counter)
+    statuses: Counter = field(default_factory=Counter)
+    faults: Counter = field(default_factory=Counter)
+    versions: int = 0
+    spawned: int = 0
+
+    def spawn_worker(self) -> None:
+        self.spawned += 1
+        log = open(self.workdir / f"worker-{self.spawned}.log", "w")  # noqa: SIM115 (child keeps it)
+        self.workers.append(subprocess.Popen(
+            [sys.executable, "-m", "rollq", "worker", "--redis-url", self.redis.url, "--policy", POLICY,
+             "--engine", "instant", "--instant-delay-s", "0.05", "--lease-s", "3", "--poll-s", "0.1",
+             "--max-inflight", "16", "--grace-s", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=os.environ | {"COLUMNS": "200"}))
+        log.close()
+
+    def stop_workers(self) -> None:
+        for proc in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.terminate()
+        for proc in self.workers:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            reap_group(proc.pid)
+
+
+async def _submitter(run: _Run, client: RolloutClient, until: float) -> None:
+    index = 0
+    while time.monotonic() < until:
+        groups = run.rng.randint(1, 20)
+        job_id = f"c{index}"
+        window = {"max_staleness": 2} if index % 2 else {}
+        await client.submit([[index % 1000 + 1, g + 1] for g in range(groups)], n=2,
+                            sampling={"max_tokens": 4}, job_id=job_id, **window)
+        run.acknowledged[job_id] = groups
+        index += 1
+        await asyncio.sleep(run.rng.uniform(0.0, 0.05))
+
+
+async def _reader(run: _Run, client: RolloutClient, done: asyncio.Event) -> None:
+    while not done.is_set():
+        for r in await client.take(500, timeout_s=1.0):
+            run.seen[(r.job_id, r.group_index)] += 1
+            run.statuses[r.status] += 1
+
+
+async def _publisher(run: _Run, client: RolloutClient, until: float) -> None:
+    import torch
+
+    while time.monotonic() < until:
+        await asyncio.sleep(run.settings.publish_every_s)
+        run.versions += 1
+        try:
+            await client.publish_weights(run.versions, {"w": torch.full((4,), float(run.versions))}, keep=3)
+        except RedisError as e:  # Redis was down longer than the client retries: try the next one
+            console.print(f"[yellow]publish of version {run.versions} failed: {e}[/yellow]")
+            run.versions -= 1
+
+
+async def _faults(run: _Run, until: float) -> None:
+    admin = connect(run.redis.url)
+    try:
+        while time.monotonic() < until:
+            await asyncio.sleep(run.rng.uniform(1.0, 4.0))
+            kind = run.rng.choice(["worker_sigkill", "worker_sigstop", "redis_restart", "client_kill"])
+            run.faults[kind] += 1
+            if kind == "worker_sigkill":
+                victim = run.workers.pop(run.rng.randrange(len(run.workers)))
+                victim.kill()
+                victim.wait()
+                reap_group(victim.pid)
+                run.spawn_worker()
+            elif kind == "worker_sigstop":
+                victim = run.rng.choice(run.workers)
+                victim.send_signal(signal.SIGSTOP)
+                await asyncio.sleep(run.rng.uniform(1.0, 5.0))
+                victim.send_signal(signal.SIGCONT)
+            elif kind == "redis_restart":
+                await asyncio.to_thread(run.redis.restart, run.rng.uniform(0.0, 1.0))
+            else:
+                with contextlib.suppress(RedisError):
+                    await admin.client_kill_filter(_type="normal", skipme=True)
+    finally:
+        await admin.aclose()
+
+
+async def chaos(s: ChaosSettings) -> Summary:
+    seed = s.seed if s.seed is not None else random.randrange(2**31)
+    with tempfile.TemporaryDirectory(prefix="rollq-chaos-") as tmp:
+        workdir = Path(tmp)
+        run = _Run(s, workdir, RedisProcess(workdir / "redis").start(), random.Random(seed))
+        try:
+            for _ in range(s.workers):
+                run.spawn_worker()
+            client = RolloutClient(run.redis.url, policy=POLICY, trainer_id="trainer",
+                                   weight_store=str(workdir / "weights"), reconnect_s=120)
+            until = time.monotonic() + s.minutes * 60
+            done = asyncio.Event()
+            console.print(f"chaos: {s.minutes:g} min, {s.workers} workers, seed {seed}")
+            reading = asyncio.create_task(_reader(run, client, done))
+            await asyncio.gather(_submitter(run, client, until), _publisher(run, client, until),
+                                 _faults(run, until))
+            expected = {(job, g) for job, groups in run.acknowledged.items() for g in range(groups)}
+            give_up = time.monotonic() + s.settle_s
+            while not expected <= set(run.seen) and time.monotonic() < give_up:
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(3.0)  # a duplicate would show up now
+            done.set()
+            await reading
+            await client.close()
+        finally:
+            run.stop_workers()
+            run.redis.stop()
+    return Summary(
+        minutes=s.minutes, seed=seed, submitted_jobs=len(run.acknowledged),
+        submitted_groups=len(expected), delivered=len(expected & set(run.seen)),
+        duplicated=sum(1 for c in run.seen.values() if c > 1), lost=len(expected - set(run.seen)),
+        statuses=dict(run.statuses), faults=dict(run.faults), versions_published=run.versions)
+
+
+def render(summary: Summary) -> None:
+    colour = "green" if summary.ok else "red"
+    console.print(f"[bold {colour}]groups submitted {summary.submitted_groups}, delivered "
+                  f"{summary.delivered}, duplicated {summary.duplicated}, lost {summary.lost}"
+                  f"[/bold {colour}]")
+    console.print(f"jobs {summary.submitted_jobs}; results by status {summary.statuses}; faults "
+                  f"{summary.faults}; versions published {summary.versions_published}; seed {summary.seed}")

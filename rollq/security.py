@@ -1,0 +1,35 @@
+"""Redis ACL rules that give each trainer its own keys only, and workers their policy's keys.
+
+    ACL SETUSER <trainer_acl(policy, "alice", password)...>
+
+A trainer user may submit to and read its own streams and counters, look at job records and
+the registry, and (with `publisher=True`) publish versions; another trainer's streams are
+NOPERM, also from inside rollq's Lua scripts (Redis checks scripts' keys against the caller's
+ACL). Job records (`job:*`, `done:*`) are policy-wide: job ids are random unless a trainer
+chooses them. `rollq acl` prints these rules.
+"""
+
+from __future__ import annotations
+
+from rollq.protocol import check_id
+from rollq.queue.keys import Keys
+
+_COMMANDS = ["-@all", "+@all", "-@dangerous", "-@admin"]
+
+
+def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = False) -> list[str]:
+    keys = Keys(policy)
+    check_id("trainer", trainer)
+    own = [keys.work(trainer), keys.results(trainer), keys.outstanding(trainer), keys.job("*"),
+           keys.done("*"), keys.trainers, keys.bounded_jobs]
+    registry = [keys.latest, keys.versions, keys.version_events]
+    rules = [trainer, "on", f">{password}", "resetkeys", "resetchannels", *_COMMANDS]
+    rules += [f"~{k}" for k in own] + [f"%R~{keys.quotas}"]
+    rules += [f"~{k}" if publisher else f"%R~{k}" for k in registry]
+    return rules
+
+
+def worker_acl(policy: str, user: str, password: str) -> list[str]:
+    """Workers (and `rollq status`, the gateway) read and write every key of the policy."""
+    return [user, "on", f">{password}", "resetkeys", "resetchannels", *_COMMANDS,
+            f"~{Keys(policy).every_key}"]

@@ -1,0 +1,18 @@
+"""The short CI variant of `rollq chaos` (the 3-minute run is in docs/reliability.md)."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_short_chaos_run_loses_and_doubles_nothing(tmp_path):
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollq", "chaos", "--minutes", "0.5", "--seed", "7", "--json", str(out)],
+        capture_output=True, text=True, timeout=420, env=os.environ | {"COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["lost"] == 0 and summary["duplicated"] == 0
+    assert summary["delivered"] == summary["submitted_groups"] > 200
+    assert sum(summary["faults"].values()) >= 5 and summary["versions_published"] >= 3

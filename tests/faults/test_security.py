@@ -1,0 +1,114 @@
+"""Redis ACL users per trainer (the recipe in docs/reliability.md) and TLS through the URL."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import uuid
+
+import pytest
+import redis.asyncio as redis_async
+from redis.exceptions import AuthenticationError, ConnectionError, NoPermissionError, ResponseError
+
+from rollq.client import RolloutClient
+from rollq.engine.instant import InstantEngine
+from rollq.faults import RedisProcess
+from rollq.queue.connection import connect
+from rollq.queue.keys import Keys
+from rollq.queue.work import WorkQueue
+from rollq.security import trainer_acl, worker_acl
+from rollq.worker.loop import Worker
+
+
+async def served_worker(url: str, policy: str):
+    redis = connect(url)
+    worker = Worker(WorkQueue(redis, Keys(policy), f"w-{uuid.uuid4().hex[:6]}", job_ttl_s=600),
+                    InstantEngine(), max_inflight=4, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1)
+    return worker, asyncio.create_task(worker.run()), redis
+
+
+async def test_acl_trainer_users_reach_only_their_own_streams(durable_redis, policy):
+    admin = redis_async.Redis(port=durable_redis.port)
+    for rule in (trainer_acl(policy, "alice", "alice-pw"), trainer_acl(policy, "bob", "bob-pw"),
+                 worker_acl(policy, "worker", "worker-pw")):
+        await admin.execute_command("ACL", "SETUSER", *rule)
+    await admin.execute_command("ACL", "SETUSER", "default", "on", ">admin-pw")
+    durable_redis.password = "admin-pw"
+    await admin.aclose()
+    url = f"redis://{{}}@127.0.0.1:{durable_redis.port}/0"
+
+    anonymous = redis_async.Redis(port=durable_redis.port)
+    with pytest.raises(AuthenticationError):
+        await anonymous.get("anything")
+    await anonymous.aclose()
+
+    worker, task, worker_redis = await served_worker(url.format("worker:worker-pw"), policy)
+    alice = RolloutClient(url.format("alice:alice-pw"), policy=policy, trainer_id="alice")
+    bob = RolloutClient(url.format("bob:bob-pw"), policy=policy, trainer_id="bob")
+    try:
+        await alice.submit([[1, 2]], n=2, sampling={"max_tokens": 3})
+        await bob.submit([[3, 4]], n=1, sampling={"max_tokens": 3})
+        [mine] = await alice.take(1, timeout_s=30)
+        assert mine.status == "ok" and mine.prompt_ids == [1, 2]
+        keys = Keys(policy)
+        with pytest.raises(NoPermissionError):  # bob's results are not alice's to read...
+            await alice.redis.xrange(keys.results("bob"))
+        with pytest.raises(NoPermissionError):  # ...nor his work stream to write
+            await alice.redis.xadd(keys.work("bob"), {"d": b"x"})
+        posing = RolloutClient(url.format("alice:alice-pw"), policy=policy, trainer_id="bob")
+        with pytest.raises((NoPermissionError, ResponseError), match="(?i)noperm|permission"):
+            await posing.submit([[5]], n=1)  # the submit script touches bob's keys
+        with pytest.raises((NoPermissionError, ResponseError), match="(?i)noperm|permission"):
+            await posing.take(1, timeout_s=1)
+        await posing.close()
+        [theirs] = await bob.take(1, timeout_s=30)
+        assert theirs.prompt_ids == [3, 4]
+    finally:
+        worker.stop()
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+        await worker_redis.aclose()
+        await alice.close()
+        await bob.close()
+
+
+def make_ca(directory, name: str) -> None:
+    """A CA (ca.pem) and a server certificate for 127.0.0.1 signed by it, with openssl."""
+    directory.mkdir(parents=True)
+    run = lambda *args: subprocess.run(["openssl", *args], cwd=directory, check=True,  # noqa: E731
+                                       capture_output=True)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+        "-days", "2", "-subj", f"/CN={name}")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.pem", "-days", "2", "-extfile", "san.ext")
+
+
+async def test_tls_only_redis_plaintext_and_wrong_ca_fail_right_ca_works(tmp_path, policy):
+    make_ca(tmp_path / "tls", "rollq test CA")
+    make_ca(tmp_path / "other", "someone else's CA")
+    server = RedisProcess(tmp_path / "redis", tls_dir=tmp_path / "tls").start()
+    try:
+        plain = redis_async.Redis(port=server.port, socket_timeout=2)
+        with pytest.raises(ConnectionError):
+            await plain.ping()
+        await plain.aclose()
+        wrong = redis_async.Redis.from_url(
+            f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={tmp_path / 'other' / 'ca.pem'}")
+        with pytest.raises(ConnectionError, match="(?i)certificate verify failed"):
+            await wrong.ping()
+        await wrong.aclose()
+
+        worker, task, worker_redis = await served_worker(server.url, policy)
+        async with RolloutClient(server.url, policy=policy, trainer_id="t") as client:
+            await client.submit([[7, 8]], n=1, sampling={"max_tokens": 2})
+            [result] = await client.take(1, timeout_s=30)
+        assert result.status == "ok" and result.prompt_ids == [7, 8]
+        worker.stop()
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+        await worker_redis.aclose()
+    finally:
+        server.stop()
