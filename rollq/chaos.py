@@ -186,6 +186,9 @@ async def chaos(s: ChaosSettings) -> Summary:
             done.set()
             await reading
             await client.close()
+            lost = sorted(expected - set(run.seen))
+            if lost:
+                await _postmortem(run.redis.url, lost)
         finally:
             run.stop_workers()
             run.redis.stop()
@@ -194,6 +197,32 @@ async def chaos(s: ChaosSettings) -> Summary:
         submitted_groups=len(expected), delivered=len(expected & set(run.seen)),
         duplicated=sum(1 for c in run.seen.values() if c > 1), lost=len(expected - set(run.seen)),
         statuses=dict(run.statuses), faults=dict(run.faults), versions_published=run.versions)
+
+
+async def _postmortem(url: str, lost: list[tuple[str, int]]) -> None:
+    """Where the lost groups are: their job's record, the work stream, the result stream."""
+    from rollq.protocol import decode_result, peek_header
+    from rollq.queue.keys import WORKERS_GROUP, Keys
+
+    keys, redis = Keys(POLICY), connect(url)
+    try:
+        work = {}
+        for entry_id, fields in await redis.xrange(keys.work("trainer")):
+            header = peek_header(fields.get(b"d", b""))
+            if header is not None:
+                work[(header.job_id, header.group_index)] = entry_id.decode()
+        pending = {e["message_id"].decode(): e for e in await redis.xpending_range(
+            keys.work("trainer"), WORKERS_GROUP, "-", "+", 100_000)}
+        unread = {(r.job_id, r.group_index) for r in (decode_result(f[b"d"]) for _, f in
+                                                     await redis.xrange(keys.results("trainer")))}
+        for job, group in lost[:20]:
+            entry = work.get((job, group))
+            console.print(
+                f"[red]lost {job}/{group}[/red]: job state {await redis.hget(keys.job(job), 'state')}, "
+                f"done {await redis.hget(keys.done(job), str(group))}, work entry {entry} "
+                f"pending {pending.get(entry) if entry else None}, in result stream {(job, group) in unread}")
+    finally:
+        await redis.aclose()
 
 
 def render(summary: Summary) -> None:

@@ -53,6 +53,8 @@ def main(log_level: str) -> None:
               help="Serve only this version (never follow the registry).")
 @click.option("--base-version", envvar="ROLLQ_BASE_VERSION", default=0, show_default=True,
               help="Version of the weights the engine starts with.")
+@click.option("--require-durable", is_flag=True, envvar="ROLLQ_REQUIRE_DURABLE",
+              help="Refuse a Redis without AOF or with an evicting maxmemory-policy (else: warn).")
 @click.option("--metrics-port", envvar="ROLLQ_METRICS_PORT", type=int, default=None,
               help="Serve Prometheus /metrics on this port.")
 @click.option("--metrics-host", envvar="ROLLQ_METRICS_HOST", default="127.0.0.1", show_default=True)
@@ -105,13 +107,20 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
 
 async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
     from rollq.engine.instant import InstantEngine
-    from rollq.queue.connection import connect
+    from rollq.queue.connection import check_durability, connect
     from rollq.queue.keys import Keys
     from rollq.queue.work import WorkQueue
     from rollq.worker.loop import Worker
 
     from rollq.worker.swap import VersionFollower, load_pinned
 
+    redis = connect(s.redis_url)
+    try:  # before the engine starts: a refusal should not cost an engine start-up
+        await check_durability(redis, require=s.require_durable, log=logging.getLogger("rollq.worker"))
+    except RuntimeError as e:
+        logging.getLogger("rollq.worker").error("%s", e)
+        await redis.aclose()
+        return 2
     seq_budget = base_schema = None
     if vllm_settings is not None:
         from rollq.engine.vllm import VLLMEngine
@@ -122,7 +131,6 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
         base_schema = dir_schema(Path(vllm_settings.model))
     else:
         engine = InstantEngine(delay_s=s.instant_delay_s, version=s.base_version)
-    redis = connect(s.redis_url)
     queue = WorkQueue(redis, Keys(s.policy), s.worker_id, job_ttl_s=s.job_ttl_s)
     max_inflight = s.max_inflight or seq_budget or 32
     w = Worker(queue, engine, max_inflight=max_inflight, lease_s=s.lease_s,
@@ -170,6 +178,8 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
 @click.option("--tokenizer", envvar="ROLLQ_TOKENIZER", default=None,
               help="Local tokenizer directory: text prompts and completion text.")
 @click.option("--max-body-bytes", envvar="ROLLQ_MAX_BODY_BYTES", default=64 * 1024 * 1024, show_default=True)
+@click.option("--require-durable", is_flag=True, envvar="ROLLQ_REQUIRE_DURABLE",
+              help="Refuse a Redis without AOF or with an evicting maxmemory-policy (else: warn).")
 def gateway(policies: tuple[str, ...], weight_store: str | None, weight_roots: tuple[str, ...],
             **flags) -> None:
     """HTTP API, OpenAI-compatible completions, /metrics and the live dashboard."""
@@ -187,7 +197,10 @@ def gateway(policies: tuple[str, ...], weight_store: str | None, weight_roots: t
                                                    "and publish", settings.host)
 
     async def serve() -> None:
-        runner, _ = await start_gateway(settings, tokenizer=load_tokenizer(settings.tokenizer))
+        try:
+            runner, _ = await start_gateway(settings, tokenizer=load_tokenizer(settings.tokenizer))
+        except RuntimeError as e:  # --require-durable refused this Redis
+            raise click.ClickException(str(e)) from None
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -49,6 +49,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     """The version of the weights the engine starts with (the model directory's)."""
     metrics_port: int | None = None
     """Serve Prometheus `/metrics` on this port (None: no metrics server)."""
+    require_durable: bool = False
+    """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
     metrics_host: str = "127.0.0.1"
 
     def validate(self) -> WorkerSettings:

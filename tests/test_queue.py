@@ -337,3 +337,23 @@ async def test_status_shows_versions_workers_and_queues(make_client, make_worker
     # alice: 2 running on the worker, 3 waiting, 5 outstanding
     assert any([cell.strip() for cell in line.split("│")[1:6]] == ["alice", "3", "2", "0", "5"]
                for line in out.splitlines() if "alice" in line), out
+
+
+async def test_results_of_a_lost_read_reply_are_read_again(make_client, make_worker, redis, monkeypatch):
+    """A read whose reply was lost (redis-py retried it after the connection dropped) leaves
+    results pending that nobody was handed; the reader finds and delivers them."""
+    from rollq.queue import results
+    from rollq.queue.keys import TRAINER_GROUP
+
+    monkeypatch.setattr(results, "ORPHAN_CHECK_S", 0.2, raising=False)
+    client = make_client()
+    make_worker()
+    await client.submit([[1], [2], [3]], n=1, sampling={"max_tokens": 2})
+    first = await collect(client, 1)
+    await wait_until(lambda: redis.xlen(client.keys.results("trainer")), what="more results")
+    await asyncio.sleep(0.5)
+    # What the lost reply delivered: pending for the trainer's consumer, never handed out.
+    lost = await redis.xreadgroup(TRAINER_GROUP, "trainer", {client.keys.results("trainer"): ">"})
+    assert lost and len(lost[0][1]) == 2
+    rest = await collect(client, 2, timeout_s=10)
+    assert sorted(r.group_index for r in first + rest) == [0, 1, 2]

@@ -19,7 +19,7 @@ from rollq.gateway.auth import Tokens
 from rollq.gateway.completions import CompletionRouter, TokenText
 from rollq.gateway.pool_view import PoolSampler
 from rollq.protocol import InvalidInput, check_id
-from rollq.queue.connection import DEFAULT_URL
+from rollq.queue.connection import DEFAULT_URL, check_durability
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
@@ -51,6 +51,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     max_body_bytes: int = 64 * 1024 * 1024
     max_outstanding: int = 65_536
     """Quota of unfinished groups per trainer submitting through the gateway."""
+    require_durable: bool = False
+    """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
 
     def validate(self) -> GatewaySettings:
         if self.tokens is None and not self.no_auth:
@@ -117,6 +119,7 @@ class Gateway:
         return prompt
 
     async def start(self) -> None:
+        await check_durability(self.redis, require=self.settings.require_durable, log=log)
         self._sampling = asyncio.create_task(self.sampler.run(), name="pool-sampler")
 
     async def stop(self) -> None:
