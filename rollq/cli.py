@@ -260,6 +260,28 @@ def demo(steps: int, groups: int, n: int, staleness: int, out_dir: str, redis_ur
 
 
 @main.command()
+@click.option("--policy", required=True)
+@click.option("--user", required=True, help="The trainer id (or a worker user's name with --worker).")
+@click.option("--worker", is_flag=True, help="Rules for workers, the gateway and `rollq status`.")
+@click.option("--publisher", is_flag=True, help="The trainer may also publish weight versions.")
+def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
+    """Print the Redis `ACL SETUSER` command giving one trainer (or the workers) its keys only,
+    with a new random password."""
+    import secrets
+
+    from rollq.security import trainer_acl, worker_acl
+
+    password = secrets.token_urlsafe(24)
+    try:
+        rules = worker_acl(policy, user, password) if worker else trainer_acl(policy, user, password,
+                                                                             publisher=publisher)
+    except InvalidInput as e:
+        raise click.BadParameter(str(e)) from None
+    click.echo("ACL SETUSER " + " ".join(rules))
+    click.echo(f"# then connect with redis://{user}:{password}@HOST:6379/0", err=True)
+
+
+@main.command()
 @click.option("--minutes", default=3.0, show_default=True, help="How long to inject faults.")
 @click.option("--workers", default=3, show_default=True, help="Instant-engine worker processes.")
 @click.option("--seed", type=int, default=None, help="Random seed (printed; default: random).")

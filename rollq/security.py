@@ -17,7 +17,7 @@ from __future__ import annotations
 from rollq.protocol import check_id
 from rollq.queue.keys import Keys
 
-_COMMANDS = ["-@all", "+@all", "-@dangerous", "-@admin"]
+_COMMANDS = ["+@all", "-@dangerous", "-@admin"]
 
 
 def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = False) -> list[str]:
