@@ -260,6 +260,16 @@ def demo(steps: int, groups: int, n: int, staleness: int, out_dir: str, redis_ur
 
 
 @main.command()
+@click.argument("names", nargs=-1)
+def bench(names: tuple[str, ...]) -> None:
+    """Run benchmarks (default: all) and write their tables into docs/benchmarks.md."""
+    from rollq import bench as benchmarks
+
+    benchmarks.run(list(names) or list(benchmarks.BENCHES))
+    benchmarks.update_doc()
+
+
+@main.command()
 @click.option("--policy", required=True)
 @click.option("--user", required=True, help="The trainer id (or a worker user's name with --worker).")
 @click.option("--worker", is_flag=True, help="Rules for workers, the gateway and `rollq status`.")

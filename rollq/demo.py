@@ -162,8 +162,34 @@ async def run_mode(example, mode: str, s: DemoSettings, redis_url: str, model: P
 
         async with RolloutClient(redis_url, policy=policy, trainer_id=mode,
                                  weight_store=str(s.out_dir / "weights")) as client:
-            return await example.train(client, trainer, steps=s.steps, groups=s.groups, n=s.n,
-                                       staleness=staleness, on_step=on_step)
+            before = cpu_times()
+            stats = await example.train(client, trainer, steps=s.steps, groups=s.groups, n=s.n,
+                                        staleness=staleness, on_step=on_step)
+            CPU_BUSY[mode] = busy_percent(before, cpu_times())
+            return stats
+
+
+CPU_BUSY: dict[str, list[float]] = {}
+"""Per run: how busy each core was (%), from /proc/stat: where the time went."""
+
+
+def cpu_times() -> list[tuple[int, int]]:
+    """(busy, total) jiffies of each core; empty where /proc/stat does not exist."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        if line.startswith("cpu") and line[3:4].isdigit():
+            values = [int(v) for v in line.split()[1:]]
+            idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+            out.append((sum(values) - idle, sum(values)))
+    return out
+
+
+def busy_percent(before, after) -> list[float]:
+    return [100 * (b1 - b0) / max(1, t1 - t0) for (b0, t0), (b1, t1) in zip(before, after)]
 
 
 async def _until_interrupted() -> None:
@@ -211,6 +237,10 @@ def report(runs: dict, s: DemoSettings) -> float | None:
         stale = sum((st.staleness for st in stats), start=Counter())
         console.print(f"{mode} staleness (versions behind the trainer: tokens): "
                       + ", ".join(f"{k}: {v}" for k, v in sorted(stale.items())))
+    for mode, busy in CPU_BUSY.items():
+        console.print(f"{mode} cores busy: " + ", ".join(
+            f"core {i} ({'worker' if i == 0 else 'trainer' if i == 1 else 'other'}) {b:.0f} %"
+            for i, b in enumerate(busy)))
     sync, asyn = runs["sync"], runs["async"]
     console.print(f"wall time of {s.steps} steps, async / sync: "
                   f"[bold]{asyn[-1].wall_s / sync[-1].wall_s:.2f}x[/bold]")
@@ -277,4 +307,5 @@ async def demo(s: DemoSettings) -> float | None:
     (s.out_dir / "runs.json").write_text(json.dumps(
         {mode: [dataclasses.asdict(st) | {"staleness": dict(st.staleness)} for st in stats]
          for mode, stats in runs.items()}, indent=1))
+    (s.out_dir / "cpu_busy.json").write_text(json.dumps(CPU_BUSY))
     return ratio
