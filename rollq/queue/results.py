@@ -65,7 +65,8 @@ class ResultReader:
                     block=None if self._replaying else block_ms,
                 )
             except ResponseError as e:
-                if "NOGROUP" not in str(e):
+                # UNBLOCKED: the stream was deleted while we blocked on it (a wiped Redis).
+                if not str(e).startswith(("NOGROUP", "UNBLOCKED")):
                     raise
                 await self._ensure_group()
                 continue

@@ -117,7 +117,8 @@ class WorkQueue:
                 WORKERS_GROUP, self.consumer, {s: ">" for s in streams}, count=1, block=block_ms
             )
         except ResponseError as e:
-            if "NOGROUP" not in str(e):
+            # UNBLOCKED: the stream was deleted while we blocked on it (a wiped Redis).
+            if not str(e).startswith(("NOGROUP", "UNBLOCKED")):
                 raise
             for stream in streams:
                 await self.ensure_group(stream)

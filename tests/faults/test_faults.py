@@ -137,3 +137,18 @@ async def test_backlog_behind_a_paused_worker_loses_no_pending_entry(make_client
     seen = await take_all(client, 3000, timeout_s=120)
     assert len(seen) == 3000 and set(seen.values()) == {1}
     await assert_nothing_pending(redis, policy)
+
+
+async def test_a_wiped_redis_is_served_again_without_a_crash_loop(make_client, spawn_worker, redis):
+    """FLUSHALL + SCRIPT FLUSH (a Redis replaced by an empty one): consumer groups are recreated
+    and scripts reloaded where they are missing; the worker keeps running."""
+    worker = spawn_worker(**WORKER)
+    client = make_client()
+    await client.submit([[1]], n=1, sampling={"max_tokens": 2})
+    assert len(await client.take(1, timeout_s=30)) == 1
+    await redis.flushall()
+    await redis.script_flush()
+    await client.submit([[2], [3]], n=1, sampling={"max_tokens": 2})
+    got = await client.take(2, timeout_s=30)
+    assert sorted(r.prompt_ids for r in got) == [[2], [3]]
+    assert worker.proc.poll() is None and "Traceback" not in worker.log
