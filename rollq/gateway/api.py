@@ -21,7 +21,8 @@ from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, 
 from rollq.gateway.state import GATEWAY, Gateway
 from rollq.queue import jobs
 from rollq.queue.jobs import JobStatus
-from rollq.registry.versions import VersionConflict
+from rollq.queue.keys import Keys
+from rollq.registry.versions import Registry, VersionConflict
 from rollq.status import policies, policy_status
 
 log = logging.getLogger("rollq.gateway")
@@ -57,7 +58,7 @@ async def submit(request: web.Request) -> web.Response:
 
 
 async def _own_job(gw: Gateway, policy: str, who: Principal, job_id: str) -> JobStatus:
-    status = await jobs.job_status(gw.redis, gw.keys(policy), job_id)
+    status = await jobs.job_status(gw.redis, Keys(policy), job_id)
     if status is None or status.trainer_id not in (who.trainer, gw.completions_trainer(who.trainer)):
         raise ApiError(404, f"no job {job_id!r} of trainer {who.trainer!r} in policy {policy!r} "
                             "(unknown, expired or another trainer's)", "job_id")
@@ -129,7 +130,7 @@ async def ack_results(request: web.Request) -> web.Response:
 
 async def list_versions(request: web.Request) -> web.Response:
     gw, policy, _ = _context(request)
-    registry = gw.client(policy, "gateway").registry
+    registry = Registry(gw.redis, Keys(policy))
     entries = await registry.entries()
     return reply(request, VersionList(await registry.latest(), [version_view(e) for e in entries]))
 
@@ -176,7 +177,7 @@ async def models(request: web.Request) -> web.Response:
     names = [p for p in (gw.settings.policies or await policies(gw.redis)) if who.may_use(p)]
     now = int(time.time())
     data = [dict(id=name, object="model", created=now, owned_by="rollq", root=name,
-                 latest_version=await gw.client(name, "gateway").latest_version()) for name in names]
+                 latest_version=await Registry(gw.redis, Keys(name)).latest()) for name in names]
     return web.json_response(dict(object="list", data=data))
 
 

@@ -88,9 +88,6 @@ class Gateway:
                                  ["route"], registry=self.metrics)
         self._sampling: asyncio.Task | None = None
 
-    def keys(self, policy: str) -> Keys:
-        return Keys(policy)
-
     def client(self, policy: str, trainer: str) -> RolloutClient:
         key = (policy, trainer)
         if key not in self._clients:
