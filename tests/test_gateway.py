@@ -118,7 +118,9 @@ async def test_cancel_over_http(make_gateway, make_worker, make_client, policy):
         assert left >= 4
         results = await make_client("alice").take(6, timeout_s=30)
         statuses = [x.status for x in results]
-        assert len(results) == 6 and statuses.count("cancelled") == left
+        # `left` counts the groups without a result; the one running (max_inflight=1) may still
+        # finish ok before the worker sees the cancel.
+        assert len(results) == 6 and left - 1 <= statuses.count("cancelled") <= left
 
 
 async def test_publish_and_list_versions(make_gateway, policy, tmp_path):
