@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from rollq.faults import free_port
 from rollq.worker.pool import reap_group
 
 console = Console()
@@ -66,9 +67,7 @@ def private_redis(workdir: Path):
     if binary is None:
         raise SystemExit("redis-server is not installed. Install it with `sudo apt-get install "
                          "redis-server` (or `brew install redis`), or set REDIS_URL.")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(workdir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -84,8 +83,8 @@ def _port(wanted: int) -> int:
         try:
             s.bind(("127.0.0.1", wanted))
         except OSError:
-            s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            return free_port()
+        return wanted
 
 
 @contextlib.contextmanager

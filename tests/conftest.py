@@ -6,7 +6,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,18 +17,13 @@ import redis as redis_sync
 
 from rollq.client import RolloutClient
 from rollq.engine.instant import InstantEngine
+from rollq.faults import free_port
 from rollq.queue.connection import connect
 from rollq.queue.keys import Keys
 from rollq.queue.work import WorkQueue
 from rollq.worker.loop import Worker
 from rollq.worker.pool import reap_group
 from rollq.worker.swap import VersionFollower
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_redis(url: str, proc: subprocess.Popen | None, timeout_s: float = 10) -> None:
@@ -55,7 +49,7 @@ def redis_url(tmp_path_factory) -> str:
     if binary is None:
         pytest.exit("redis-server not found: run `make setup` (installs it) or set ROLLQ_TEST_REDIS_URL",
                     returncode=2)
-    port = _free_port()
+    port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

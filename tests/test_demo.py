@@ -2,16 +2,15 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
+
+from rollq.faults import free_port
 
 
 def test_short_demo_runs_and_keeps_staleness_within_bound(tmp_path):
     out = tmp_path / "demo"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.run(
         [sys.executable, "-m", "rollq", "demo", "--steps", "4", "--groups", "6", "--n", "4",
          "--staleness", "2", "--out", str(out), "--port", str(port)],

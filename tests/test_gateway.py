@@ -18,6 +18,7 @@ from helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollq.engine.instant import expected_tokens
+from rollq.faults import free_port
 from rollq.protocol import pack_tokens
 
 
@@ -173,11 +174,7 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 async def test_metrics_of_gateway_and_worker_move(make_gateway, spawn_worker, make_client, policy):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     gw = await make_gateway()
     spawn_worker(metrics_port=port)
     client = make_client()
