@@ -126,7 +126,7 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
         from rollq.engine.vllm import VLLMEngine
         from rollq.registry.safetensors_check import dir_schema
 
-        engine = VLLMEngine.start(vllm_settings, version=s.base_version)
+        engine = await VLLMEngine.start(vllm_settings, version=s.base_version)
         seq_budget = vllm_settings.max_num_seqs
         base_schema = dir_schema(Path(vllm_settings.model))
     else:

@@ -217,7 +217,7 @@ async def vllm_engine(tiny_model):
     from rollq.config import VLLMSettings
     from rollq.engine.vllm import VLLMEngine
 
-    engine = VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate())
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate())
     yield engine
     await engine.close()
 

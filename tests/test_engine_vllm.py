@@ -161,7 +161,7 @@ async def bf16_engine(tiny_model):
 
     from rollq.config import VLLMSettings
 
-    engine = VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model, "bfloat16")).validate())
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model, "bfloat16")).validate())
     yield engine
     await engine.close()
 
@@ -173,3 +173,22 @@ async def test_bf16_engine_logprobs_within_bf16_tolerance(make_client, make_work
     worst = await max_logprob_error(client, reference, seed=3)
     print(f"bf16: max |logprob - reference| = {worst:.2e}")
     assert worst < BF16_LOGPROB_TOLERANCE
+
+
+async def test_start_compiles_the_sampler_kernel_before_serving(tiny_model, tmp_path, monkeypatch):
+    """vLLM compiles a sampler kernel (torch.compile: a C++ build on CPU) on the first request
+    that asks for logprobs; with a cold compile cache on a loaded machine a first group waited
+    over a minute for it. `VLLMEngine.start` warms the engine up, so the build happens there."""
+    from conftest import engine_flags
+
+    from rollq.config import VLLMSettings
+
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # cold: nothing compiled yet
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate())
+    try:
+        built = list(cache.rglob("*.so"))
+        assert built, f"no kernel was compiled while the engine started ({cache})"
+    finally:
+        await engine.close()
+

@@ -44,7 +44,7 @@ async def swap_engine(tiny_model):
     from rollq.config import VLLMSettings
     from rollq.engine.vllm import VLLMEngine
 
-    engine = VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate(), version=1)
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate(), version=1)
     yield engine
     await engine.close()
 

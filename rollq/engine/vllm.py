@@ -11,6 +11,7 @@ import asyncio
 import logging
 import math
 import os
+import time
 import uuid
 from typing import Any
 
@@ -97,16 +98,43 @@ class VLLMEngine:
         self._swap_done = asyncio.Event()
 
     @classmethod
-    def start(cls, settings: VLLMSettings, *, version: int = 0) -> VLLMEngine:
-        """Build the engine (starts vLLM's engine-core process; tens of seconds on CPU)."""
+    async def start(cls, settings: VLLMSettings, *, version: int = 0) -> VLLMEngine:
+        """Build the engine (starts vLLM's engine-core process; tens of seconds on CPU), warmed up."""
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU builds only read it
         kwargs = settings.engine_kwargs()
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        return cls(llm, version=version, has_tokenizer=not kwargs["skip_tokenizer_init"],
-                   weights_path=settings.model)
+        engine = cls(llm, version=version, has_tokenizer=not kwargs["skip_tokenizer_init"],
+                     weights_path=settings.model)
+        try:
+            await engine.warm_up()
+        except BaseException:
+            await engine.close()
+            raise
+        return engine
+
+    async def warm_up(self) -> None:
+        """Pay for what vLLM builds on first use before serving anyone.
+
+        vLLM's sampler compiles a kernel (torch.compile; a C++ build on CPU) the first time
+        logprobs are asked for, and again the first time the batch size changes. With a cold
+        compile cache on a loaded 2-core machine, a first group waited over a minute for it (a
+        CI failure): users' first groups and their deadlines would pay that. Two tiny requests,
+        of 1 and 3 sequences, pay it here instead.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        began = time.monotonic()
+        for n in (1, 3):
+            params = SamplingParams(n=n, temperature=1.0, max_tokens=2, logprobs=0, detokenize=False,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            async for _ in self.llm.generate({"prompt_token_ids": [0]}, params,
+                                             request_id=f"warm-up-{n}-{uuid.uuid4().hex[:8]}"):
+                pass
+        log.info("engine warmed up in %.1f s", time.monotonic() - began)
 
     @property
     def version(self) -> int:
