@@ -93,7 +93,7 @@ class Reference:
 @pytest.mark.parametrize("mode", ["drain", "interrupt"])
 async def test_publish_while_200_groups_run(mode, publisher, follower, versions):
     weights, models = versions
-    follower(swap_mode=mode)
+    worker = follower(swap_mode=mode)
     await publisher.submit([p for p in PROMPTS for _ in range(8)], n=1, sampling=GREEDY)
     results = await collect(publisher, 24, timeout_s=120)
     await publisher.publish_weights(2, weights[2])
@@ -106,8 +106,11 @@ async def test_publish_while_200_groups_run(mode, publisher, follower, versions)
         [sample] = r.samples
         reference.check(r.prompt_ids, sample)
         segments[tuple(v for v, _ in sample.versions)] += 1
-    print(mode, dict(segments))
+    print(mode, dict(segments), worker.stats.totals.last_swap)
     assert segments[(1,)] > 0 and segments[(2,)] > 0
+    # Where the swap's time went (metrics, heartbeat, bench/swap.py): every phase, measured.
+    assert set(worker.stats.totals.last_swap) == {"verify", "drain", "pause", "load", "resume"}
+    assert all(seconds >= 0 for seconds in worker.stats.totals.last_swap.values())
     if mode == "drain":
         assert set(segments) == {(1,), (2,)}
     else:

@@ -55,8 +55,9 @@ class InstantEngine:
         ]
         return Generated(samples, prompt)
 
-    async def swap(self, version: int, path: str, *, interrupt: bool = False) -> None:
+    async def swap(self, version: int, path: str, *, interrupt: bool = False) -> dict[str, float]:
         self._version = version
+        return {}
 
     async def close(self) -> None:
         pass

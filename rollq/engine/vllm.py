@@ -208,14 +208,24 @@ class VLLMEngine:
             f"{request_id}-{index}-{len(state.tokens)}")
         return final.outputs[0], version, epoch
 
-    async def swap(self, version: int, path: str, *, interrupt: bool = False) -> None:
+    async def swap(self, version: int, path: str, *, interrupt: bool = False) -> dict[str, float]:
         """Load `version` (already verified). `interrupt`: abort running requests, which then
         continue under the new weights; else wait for them. On a load error the old weights are
-        loaded back and the error raised."""
+        loaded back and the error raised. Returns seconds per phase: pause (running requests
+        finish or are cut), load (vLLM reads the files into the model), resume (version label,
+        prefix cache reset, generation resumed)."""
         llm = self.llm
         self._swaps_begun += 1
+        phases, mark = {}, time.monotonic()
+
+        def lap(phase: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[phase], mark = now - mark, now
+
         try:
             await llm.pause_generation(mode="abort" if interrupt else "wait", clear_cache=True)
+            lap("pause")
             try:
                 await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
             except Exception:
@@ -223,6 +233,7 @@ class VLLMEngine:
                               self._version)
                 await llm.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_path})
                 raise
+            lap("load")
             await llm.update_weight_version(str(version))
             self._version, self._weights_path, self._labelled = version, path, True
             await llm.reset_prefix_cache()
@@ -231,6 +242,8 @@ class VLLMEngine:
             self._swaps_done += 1
             done, self._swap_done = self._swap_done, asyncio.Event()
             done.set()
+        lap("resume")
+        return phases
 
     async def close(self) -> None:
         llm, self.llm = self.llm, None

@@ -39,6 +39,8 @@ class Totals(msgspec.Struct):
     swaps: int = 0
     swap_failures: int = 0
     swap_s: float = 0.0
+    last_swap: dict[str, float] = {}
+    """Seconds per phase of the latest swap: verify, drain, pause, load, resume."""
     reclaims: int = 0
     dead_letters: int = 0
     errors: int = 0
@@ -65,6 +67,10 @@ class WorkerStats:
                               labelnames=["policy", "result"], registry=self.registry)
         self._swap_s = Histogram("rollq_worker_swap_seconds", "Duration of a weight swap (drain included).",
                                  buckets=SECONDS_BUCKETS, **labels)
+        self._swap_phase_s = Histogram(
+            "rollq_worker_swap_phase_seconds", "Seconds in each phase of a weight swap: verify, drain, "
+            "pause, load, resume.", labelnames=["policy", "phase"], buckets=SECONDS_BUCKETS,
+            registry=self.registry)
         self._reclaims = Counter("rollq_worker_reclaims", "Groups taken over after a lapsed lease.", **labels)
         self._dead = Counter("rollq_worker_dead_letters", "Groups dead-lettered.", **labels)
         self._errors = Counter("rollq_worker_errors", "Groups handed back after an unexpected error.",
@@ -105,12 +111,15 @@ class WorkerStats:
                 t.lag[lag] = t.lag.get(lag, 0) + 1
                 self._lag_h.observe(lag)
 
-    def swap(self, ok: bool, seconds: float) -> None:
+    def swap(self, ok: bool, seconds: float, phases: dict[str, float] | None = None) -> None:
         if ok:
             self.totals.swaps += 1
             self.totals.swap_s += seconds
+            self.totals.last_swap = dict(phases or {})
         else:
             self.totals.swap_failures += 1
+        for phase, phase_s in (phases or {}).items():
+            self._swap_phase_s.labels(self.policy, phase).observe(phase_s)
         self._swaps.labels(self.policy, "ok" if ok else "failed").inc()
         self._swap_s.labels(self.policy).observe(seconds)
 

@@ -39,28 +39,33 @@ def check_version(entry: VersionEntry, base_schema: Schema | None) -> None:
         check_compatible(dir_schema(Path(entry.path)), base_schema, f"version {entry.version}")
 
 
-async def swap_to(worker: Worker, entry: VersionEntry, mode: SwapMode) -> bool:
-    """Gate closed → drain what must finish on the old version → swap → gate open."""
+async def swap_to(worker: Worker, entry: VersionEntry, mode: SwapMode, *, verify_s: float = 0.0) -> bool:
+    """Gate closed → drain what must finish on the old version → swap → gate open.
+
+    `verify_s`: time already spent checking the files, reported with the other phases.
+    """
     version, began = entry.version, time.monotonic()
     worker.state = "draining"
     if mode == "drain":
         await worker.admission.close(lambda item: True)
     else:  # groups the new version may not serve, or that cannot be continued exactly, finish first
         await worker.admission.close(lambda item: not interruptible(item, version))
+    phases = {"verify": verify_s, "drain": time.monotonic() - began}
     worker.state = "swapping"
     try:
-        await worker.engine.swap(version, entry.path, interrupt=mode == "interrupt")
+        phases |= await worker.engine.swap(version, entry.path, interrupt=mode == "interrupt")
     except Exception as e:  # the engine is back on its old weights; report, do not retry this one
         worker.cannot_load.add(version)
         worker.last_error = f"swap to version {version} failed: {type(e).__name__}: {e}"
-        worker.stats.swap(False, time.monotonic() - began)
+        worker.stats.swap(False, time.monotonic() - began, phases)
         log.error("%s; still serving version %d", worker.last_error, worker.engine.version)
         return False
     finally:
         worker.state = "serving"
         worker.admission.reopen()
-    log.info("now serving version %d (%s swap, %.2f s)", version, mode, time.monotonic() - began)
-    worker.stats.swap(True, time.monotonic() - began)
+    log.info("now serving version %d (%s swap, %.2f s: %s)", version, mode, time.monotonic() - began,
+             ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
+    worker.stats.swap(True, time.monotonic() - began, phases)
     return True
 
 
@@ -102,6 +107,7 @@ class VersionFollower:
         entry = await self.registry.get(newest)
         if entry is None:
             return
+        checking = time.monotonic()
         try:
             await asyncio.to_thread(check_version, entry, self.base_schema)
         except (WeightError, OSError) as e:
@@ -109,7 +115,7 @@ class VersionFollower:
             self.worker.last_error = f"version {newest} refused: {e}"
             log.error("%s; still serving version %d", self.worker.last_error, engine.version)
             return
-        await swap_to(self.worker, entry, self.mode)
+        await swap_to(self.worker, entry, self.mode, verify_s=time.monotonic() - checking)
 
 
 async def load_pinned(worker: Worker, registry: Registry, version: int,
