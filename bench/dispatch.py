@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,6 +26,8 @@ import time
 from pathlib import Path
 
 import redis.asyncio as redis_async
+
+from common import machine, write_result
 
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
@@ -59,22 +59,28 @@ async def _wait(predicate, timeout_s: float = 60) -> None:
         await asyncio.sleep(0.05)
 
 
-async def rollq_run(url: str, groups: int, policy: str) -> float:
-    worker = _spawn([sys.executable, "-m", "rollq", "worker", "--redis-url", url, "--policy", policy,
+async def rollq_run(url: str, groups: int, policy: str, *, workers: int = 1) -> float:
+    procs = [_spawn([sys.executable, "-m", "rollq", "worker", "--redis-url", url, "--policy", policy,
                      "--engine", "instant", "--max-inflight", str(BATCH), "--poll-s", "0.05"])
+             for _ in range(workers)]
     client = RolloutClient(url, policy=policy, trainer_id="bench", max_outstanding=10**7)
     try:
-        await _wait(lambda: client.redis.exists(Keys(policy).workers))
+        await _wait(lambda: _at_least_members(client.redis, Keys(policy).workers, workers))
         began = time.perf_counter()
         for start in range(0, groups, 1000):
             await client.submit([[1]] * min(1000, groups - start), n=1, sampling={"max_tokens": 1})
         got = 0
         while got < groups:
-            got += len(await client.take(5000, timeout_s=30))
+            got += len(await client.take(min(5000, groups - got), timeout_s=30))
         return time.perf_counter() - began
     finally:
-        _stop(worker)
+        for proc in procs:
+            _stop(proc)
         await client.close()
+
+
+async def _at_least_members(r, key: str, count: int) -> bool:
+    return await r.zcard(key) >= count
 
 
 async def bare_consumer(url: str, groups: int) -> None:
@@ -185,12 +191,10 @@ async def main(groups: int, repeats: int) -> dict:
         finally:
             server.stop()
     medians = {name: statistics.median(rates) for name, rates in runs.items()}
-    return {"benchmark": "dispatch", "groups": groups, "repeats": repeats, "groups_per_s": medians,
+    return {"groups": groups, "repeats": repeats, "groups_per_s": medians,
             "runs": runs, "rollq_vs_bare": medians["rollq"] / medians["bare redis-py"],
             "rollq_vs_saq": medians["rollq"] / medians["saq"],
-            "rollq_vs_arq": medians["rollq"] / medians["arq"],
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "date": time.strftime("%Y-%m-%d")}
+            "rollq_vs_arq": medians["rollq"] / medians["arq"], "machine": machine()}
 
 
 async def server_flush(url: str) -> None:
@@ -218,6 +222,4 @@ if __name__ == "__main__":
     else:
         result = asyncio.run(main(args.groups, args.repeats))
         report(result)
-        out = HERE / "results" / "dispatch.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        write_result("dispatch", result)

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import random
 import tempfile
 import time
 from pathlib import Path
 
+from common import machine, write_result
+
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
 
-HERE = Path(__file__).resolve().parent
 SIZES = (1, 64, 1024)
 PROMPT_TOKENS = 512
 
@@ -58,9 +56,7 @@ async def main(calls: int) -> dict:
                 results[name] = await measure(server.url, calls)
             finally:
                 server.stop()
-    return {"benchmark": "submit", "prompt_tokens": PROMPT_TOKENS, "latency": results,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "date": time.strftime("%Y-%m-%d")}
+    return {"prompt_tokens": PROMPT_TOKENS, "latency": results, "machine": machine()}
 
 
 def report(result: dict) -> None:
@@ -76,5 +72,4 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=200)
     result = asyncio.run(main(parser.parse_args().calls))
     report(result)
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "submit.json").write_text(json.dumps(result, indent=1))
+    write_result("submit", result)

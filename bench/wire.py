@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import pickle  # noqa: TID251 (a timing baseline on our own in-memory objects; nothing read from a wire)
-import platform
 import random
 import statistics
 import time
-from pathlib import Path
+
+from common import write_result
 
 from rollq.protocol import GroupResult, Sample, decode_result, encode, pack_floats, pack_tokens
 
@@ -66,15 +66,8 @@ def main() -> None:
     print(f"{'codec':34} {'encode+decode':>14} {'bytes':>10} {'vs json':>8}")
     for name, (seconds, size) in rows.items():
         print(f"{name:34} {seconds * 1e3:11.3f} ms {size:10,} {base / seconds:7.1f}x")
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "wire.json").write_text(json.dumps({
-        "n": N, "tokens": TOKENS, "machine": platform.machine(), "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-        "codecs": {name: {"seconds": s, "bytes": b, "speedup_vs_json": base / s}
-                   for name, (s, b) in rows.items()},
-    }, indent=1))
-
+    write_result("wire", {"n": N, "tokens": TOKENS, "codecs": {
+        name: {"seconds": s, "bytes": b, "speedup_vs_json": base / s} for name, (s, b) in rows.items()}})
 
 if __name__ == "__main__":
     main()

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = ("wire", "submit", "dispatch")
-"""Built so far; pass-through, swap and scale are not (see docs/benchmarks.md)."""
+BENCHES = ("wire", "submit", "dispatch", "scale", "passthrough", "swap")
 BEGIN, END = "<!-- rollq bench: begin -->", "<!-- rollq bench: end -->"
 
 
@@ -55,11 +54,54 @@ def _dispatch(r: dict) -> list[str]:
         rows.append(f"| {name} | {rate:,.0f} | {rollq / rate:.2f}x |")
     targets = [("rollq / bare redis-py >= 0.5", r["rollq_vs_bare"] >= 0.5),
                ("rollq / saq >= 5", r["rollq_vs_saq"] >= 5), ("rollq / arq >= 5", r["rollq_vs_arq"] >= 5)]
-    rows += ["", "Targets: " + "; ".join(f"{t}: {'met' if ok else '**missed**'}" for t, ok in targets) + "."]
+    rows += ["", "Targets: " + "; ".join(f"{t}: {_met(ok)}" for t, ok in targets) + "."]
     return rows
 
 
-_RENDER = {"wire": _wire, "submit": _submit, "dispatch": _dispatch}
+def _met(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def _scale(r: dict) -> list[str]:
+    m = r["memory"]
+    rows = [f"Redis memory per queued group ({m['groups']:,} groups of {m['prompt_tokens']}-token prompts, "
+            f"n=8): {m['bytes_per_group']:,.0f} bytes vs {m['raw_token_bytes']:,} bytes of raw tokens = "
+            f"**{m['ratio']:.2f}x** (target <= 1.3: {_met(m['ratio'] <= 1.3)}).", "",
+            f"{r['workers_groups']:,} no-op groups end to end by worker processes (2 cores):", "",
+            "| workers | groups/s |", "|---|---|"]
+    rows += [f"| {k} | {v:,.0f} |" for k, v in r["workers_groups_per_s"].items()]
+    rows += ["", "Costs with groups queued ahead (16-token prompts):", "",
+             "| queued | submit of 64 prompts, p50 | claim + finish per group |", "|---|---|---|"]
+    rows += [f"| {d['depth']:,} | {d['submit64_p50_ms']:.2f} ms | {d['claim_finish_us_per_group']:.0f} us |"
+             for d in r["depth"]]
+    flat = max(r["submit_growth"], r["finish_growth"]) <= 2
+    rows += ["", f"Growth from the fewest to the most queued: submit {r['submit_growth']:.2f}x, claim + "
+             f"finish {r['finish_growth']:.2f}x (target: within 2x: {_met(flat)})."]
+    return rows
+
+
+def _passthrough(r: dict) -> list[str]:
+    rows = [f"{r['prompts']} prompts x n={r['n']} x {r['max_tokens']} tokens (ignore_eos, logprobs), random "
+            f"Llama {r['model']}, float32, max_num_seqs 256, median of {r['repeats']}.", "",
+            "| path | tokens/s | CPU s per 1,000 groups (outside the engine core) |", "|---|---|---|"]
+    for name, rate in r["tokens_per_s"].items():
+        rows.append(f"| {name} | {rate:,.0f} | {r['cpu_s_per_1k_groups'][name]:.1f} |")
+    rows += ["", f"rollq / raw: **{r['ratio']:.3f}** (target >= 0.97: {_met(r['ratio'] >= 0.97)})."]
+    return rows
+
+
+def _swap(r: dict) -> list[str]:
+    rows = [f"Publish to serving, {r['bytes'] / 1e6:.0f} MB checkpoint (float32 safetensors), median of "
+            f"{r['repeats']}.", "", "| phase | seconds |", "|---|---|"]
+    rows += [f"| {k} | {v:.2f} |" for k, v in r["phases_s"].items()]
+    rows += [f"| **publish to serving** | **{r['total_s']:.2f}** ({r['swap_gb_per_s']:.2f} GB/s) |",
+             f"| raw sequential read | {r['raw_read_s']:.3f} ({r['raw_gb_per_s']:.2f} GB/s) |", "",
+             f"Swap / raw read bandwidth: **{r['ratio']:.3f}** (target >= 0.5: {_met(r['ratio'] >= 0.5)})."]
+    return rows
+
+
+_RENDER = {"wire": _wire, "submit": _submit, "dispatch": _dispatch, "scale": _scale,
+           "passthrough": _passthrough, "swap": _swap}
 
 
 def markdown() -> str:
