@@ -3,17 +3,20 @@
 sequential read of the same files.
 
 A `rollq worker --engine vllm` process serves version 0; this process publishes versions 1, 2, ...
-(alternating two checkpoints, as a trainer would publish new weights) into a weight store on
-local disk, and right after each publish submits a one-token probe group with
-`min_version` = the new version: its result marks the moment the worker serves it. Phases:
+(alternating two checkpoints, as a trainer would publish new weights), first copied into a
+weight store on local disk (the default), then registered in place (`copy=False`), and right
+after each publish submits a one-token probe group with `min_version` = the new version: its
+result marks the moment the worker serves it. Phases:
 
-- store: `publish_weights` copying the files into the store, fsyncing and hashing them (trainer).
+- store: `publish_weights` copying the files into the store, fsyncing and hashing them (trainer);
+  by reference: hashing them in place.
 - verify: the worker re-reading and hashing the files, checking headers and shapes.
 - drain, pause, load, resume: the worker's swap (`rollq_worker_swap_phase_seconds`).
 
-The raw read is the same files read once, sequentially, just before each publish (page cache as
-warm as the swap finds it). Reported: end to end, each phase, and the effective bandwidth
-(checkpoint bytes / end to end) as a fraction of the raw read's.
+The raw read is the same files read once, sequentially, just before each publish: warm (from
+the page cache, as the swap finds them) and cold (page cache dropped first: storage bandwidth;
+needs root). Reported: end to end, each phase, and the effective bandwidth (checkpoint bytes /
+end to end) as a fraction of each raw read's.
 
     python bench/swap.py [--repeats 3]              # table + bench/results/swap.json
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -40,7 +44,15 @@ MODEL = dict(hidden=1024, layers=8, vocab=8192, intermediate=2816)
 POLICY = "swap"
 
 
-def raw_read(files: list[Path]) -> float:
+def raw_read(files: list[Path], *, cold: bool = False) -> float | None:
+    """Seconds to read the files once, sequentially; `cold`: from storage (page cache dropped
+    first, which needs root; None when not allowed)."""
+    if cold:
+        os.sync()
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        except OSError:
+            return None
     began = time.perf_counter()
     for f in files:
         with open(f, "rb", buffering=0) as fh:
@@ -68,13 +80,42 @@ async def last_swap(client: RolloutClient, version: int, timeout_s: float = 30) 
     raise RuntimeError(f"no heartbeat reported the swap to version {version}")
 
 
+async def swap_once(client: RolloutClient, version: int, source: Path, copy: bool) -> dict:
+    files = sorted(source.glob("*.safetensors"))
+    raw_cold = raw_read(files, cold=True)  # first: it leaves the files in the page cache
+    raw_warm = raw_read(files)
+    began = time.perf_counter()
+    await client.publish_weights(version, source, copy=copy, keep=2)
+    store_s = time.perf_counter() - began
+    await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
+    [probe] = await client.take(1, timeout_s=300)
+    total_s = time.perf_counter() - began
+    if probe.status != "ok" or probe.samples[0].versions[0][0] != version:
+        raise RuntimeError(f"probe not served by version {version}: {probe}")
+    phases = {"store" if copy else "hash in place": store_s, **await last_swap(client, version)}
+    print(f"version {version} ({'copy' if copy else 'by reference'}): {total_s:.2f} s end to end, raw read "
+          f"{raw_warm:.3f} s warm, {raw_cold or float('nan'):.3f} s cold; "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), flush=True)
+    return {"total_s": total_s, "raw_warm_s": raw_warm, "raw_cold_s": raw_cold, "phases": phases}
+
+
+def summary(runs: list[dict], size: int) -> dict:
+    total = statistics.median(r["total_s"] for r in runs)
+    warm = statistics.median(r["raw_warm_s"] for r in runs)
+    colds = [r["raw_cold_s"] for r in runs if r["raw_cold_s"] is not None]
+    cold = statistics.median(colds) if colds else None
+    return {"total_s": total, "gb_per_s": size / total / 1e9,
+            "phases_s": {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]},
+            "raw_warm_s": warm, "raw_cold_s": cold, "ratio_vs_warm": warm / total,
+            "ratio_vs_cold": cold / total if cold else None, "runs": runs}
+
+
 async def main(repeats: int) -> dict:
-    runs = []
+    modes: dict[str, list[dict]] = {"copy": [], "by reference": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         checkpoints = [make_llama(tmp / f"ckpt{i}", seed=i, **MODEL) for i in range(2)]
-        files = sorted(checkpoints[1].glob("*.safetensors"))
-        size = sum(f.stat().st_size for f in files)
+        size = sum(f.stat().st_size for f in checkpoints[1].glob("*.safetensors"))
         redis = RedisProcess(tmp, extra=["--appendonly", "no"]).start()
         worker = subprocess.Popen(
             [sys.executable, "-m", "rollq", "worker", "--engine", "vllm", "--redis-url", redis.url,
@@ -86,21 +127,12 @@ async def main(repeats: int) -> dict:
             async with RolloutClient(redis.url, policy=POLICY, trainer_id="bench",
                                      weight_store=str(tmp / "store")) as client:
                 await wait_worker(client, worker)
-                for version in range(1, repeats + 1):
-                    source = checkpoints[version % 2]
-                    raw_s = raw_read(sorted(source.glob("*.safetensors")))
-                    began = time.perf_counter()
-                    await client.publish_weights(version, source, keep=2)
-                    store_s = time.perf_counter() - began
-                    await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
-                    [probe] = await client.take(1, timeout_s=300)
-                    total_s = time.perf_counter() - began
-                    if probe.status != "ok" or probe.samples[0].versions[0][0] != version:
-                        raise RuntimeError(f"probe not served by version {version}: {probe}")
-                    phases = {"store": store_s, **await last_swap(client, version)}
-                    runs.append({"total_s": total_s, "raw_read_s": raw_s, "phases": phases})
-                    print(f"version {version}: {total_s:.2f} s end to end, raw read {raw_s:.2f} s, "
-                          + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), flush=True)
+                version = 0
+                for mode, runs in modes.items():
+                    for _ in range(repeats):
+                        version += 1
+                        runs.append(await swap_once(client, version, checkpoints[version % 2],
+                                                    copy=mode == "copy"))
         finally:
             worker.terminate()
             try:
@@ -108,19 +140,17 @@ async def main(repeats: int) -> dict:
             except subprocess.TimeoutExpired:
                 worker.kill()
             redis.stop()
-    total = statistics.median(r["total_s"] for r in runs)
-    raw = statistics.median(r["raw_read_s"] for r in runs)
-    phases = {k: statistics.median(r["phases"].get(k, 0.0) for r in runs) for k in runs[0]["phases"]}
-    return {"bytes": size, "repeats": repeats, "model": MODEL, "total_s": total, "raw_read_s": raw,
-            "phases_s": phases, "swap_gb_per_s": size / total / 1e9, "raw_gb_per_s": size / raw / 1e9,
-            "ratio": raw / total, "runs": runs}
+    return {"bytes": size, "repeats": repeats, "model": MODEL,
+            "modes": {mode: summary(runs, size) for mode, runs in modes.items()}}
 
 
 def report(r: dict) -> None:
     print(f"swap: {r['bytes'] / 1e6:.0f} MB checkpoint, median of {r['repeats']}")
-    print(f"publish -> serving {r['total_s']:.2f} s ({r['swap_gb_per_s']:.2f} GB/s); raw read "
-          f"{r['raw_read_s']:.3f} s ({r['raw_gb_per_s']:.2f} GB/s); ratio {r['ratio']:.3f}")
-    print("  " + ", ".join(f"{k} {v:.2f} s" for k, v in r["phases_s"].items()))
+    for mode, m in r["modes"].items():
+        cold = f"{m['raw_cold_s']:.3f} s" if m["raw_cold_s"] else "n/a"
+        print(f"{mode}: publish -> serving {m['total_s']:.2f} s ({m['gb_per_s']:.2f} GB/s); raw read "
+              f"{m['raw_warm_s']:.3f} s warm, {cold} cold")
+        print("  " + ", ".join(f"{k} {v:.2f} s" for k, v in m["phases_s"].items()))
 
 
 if __name__ == "__main__":
