@@ -44,7 +44,7 @@ def machine() -> str:
 
 def write_result(name: str, result: dict) -> Path:
     result = {"benchmark": name, **result, "machine": machine(), "date": time.strftime("%Y-%m-%d")}
-    out = HERE / "results" / f"{name}.json"
-    out.parent.mkdir(exist_ok=True)
+    out = Path(os.environ.get("ROLLQ_BENCH_RESULTS", HERE / "results")) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return out

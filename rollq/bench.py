@@ -8,6 +8,7 @@ Each benchmark is a script, `bench/<name>.py`, that prints its table and writes
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -124,18 +125,22 @@ _RENDER = {"wire": _wire, "submit": _submit, "dispatch": _dispatch, "scale": _sc
            "passthrough": _passthrough, "swap": _swap}
 
 
+def results_dir() -> Path:
+    """Where the benchmarks write their JSON (ROLLQ_BENCH_RESULTS overrides, e.g. for tests)."""
+    return Path(os.environ.get("ROLLQ_BENCH_RESULTS", ROOT / "bench" / "results"))
+
+
 def markdown() -> str:
     out = [BEGIN, "", f"Made by `rollq bench` on {time.strftime('%Y-%m-%d')}, "
            f"{_machine()}. Every ratio compares numbers measured in the same run.", ""]
     for name in BENCHES:
-        path = ROOT / "bench" / "results" / f"{name}.json"
+        path = results_dir() / f"{name}.json"
         if path.exists():
             out += [f"### {name}", "", *_RENDER[name](json.loads(path.read_text())), ""]
     return "\n".join(out + [END])
 
 
 def _machine() -> str:
-    import os
     import platform
 
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"

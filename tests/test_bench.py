@@ -1,0 +1,29 @@
+"""`rollq bench` plumbing: the quick benchmarks run, write their JSON and render into the doc
+with their targets. No speed is asserted here (numbers belong in docs/benchmarks.md)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from rollq import bench
+
+ROOT = Path(bench.__file__).resolve().parent.parent
+
+
+def test_quick_benchmarks_run_and_render_with_targets(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLQ_BENCH_RESULTS", str(tmp_path / "results"))
+    for args in (["wire.py"], ["scale.py", "--depths", "100,1000", "--groups", "300"]):
+        subprocess.run([sys.executable, str(ROOT / "bench" / args[0]), *args[1:]], check=True,
+                       cwd=ROOT, timeout=300, capture_output=True)
+    assert {p.name for p in (tmp_path / "results").iterdir()} == {"wire.json", "scale.json"}
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\nkept\n\n{bench.BEGIN}\nold table\n{bench.END}\n\nkept too\n")
+    bench.update_doc(doc)
+    text = doc.read_text()
+    assert "old table" not in text and "kept" in text and text.rstrip().endswith("kept too")
+    tables = text[text.index(bench.BEGIN):text.index(bench.END)]
+    assert "### wire" in tables and "### scale" in tables and "### swap" not in tables
+    assert "Target: rollq >= 3x faster than json" in tables
+    assert "| 1,000 |" in tables and "claim + finish" in tables  # the depth rows
+    assert tables.count("target") + tables.count("Target") >= 3
