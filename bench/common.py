@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -36,6 +38,20 @@ def cpu_seconds(pid: int, *, children: bool = False) -> float:
 
     t = psutil.Process(pid).cpu_times()
     return t.user + t.system + ((t.children_user + t.children_system) if children else 0.0)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGTERM; after `timeout_s`, SIGKILL to its process group if it leads one (a vLLM worker
+    started with start_new_session: its engine core would outlive it), else to it alone."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # not a group leader
+            proc.kill()
+        proc.wait()
 
 
 def machine() -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import redis.asyncio as redis_async
 
-from common import machine, write_result
+from common import machine, stop_process, write_result
 
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
@@ -40,15 +40,6 @@ BATCH = 256
 def _spawn(args: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE,
                             env=os.environ | {"PYTHONPATH": str(HERE)} | (env or {}))
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 async def _wait(predicate, timeout_s: float = 60) -> None:
@@ -75,7 +66,7 @@ async def rollq_run(url: str, groups: int, policy: str, *, workers: int = 1) -> 
         return time.perf_counter() - began
     finally:
         for proc in procs:
-            _stop(proc)
+            stop_process(proc, 10)
         await client.close()
 
 
@@ -126,7 +117,7 @@ async def bare_run(url: str, groups: int) -> float:
             got += len(ids)
         return time.perf_counter() - began
     finally:
-        _stop(consumer)
+        stop_process(consumer, 10)
         await r.aclose()
 
 
@@ -143,7 +134,7 @@ async def saq_run(url: str, groups: int) -> float:
         await queue.map("noop", [{}] * groups, timeout=600)
         return time.perf_counter() - began
     finally:
-        _stop(worker)
+        stop_process(worker, 10)
         await queue.disconnect()
 
 
@@ -166,7 +157,7 @@ async def arq_run(url: str, groups: int) -> float:
         await _wait(lambda: _at_least(pool, DONE_KEY, groups), timeout_s=600)
         return time.perf_counter() - began
     finally:
-        _stop(worker)
+        stop_process(worker, 10)
         await pool.aclose()
 
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import HERE, cpu_seconds, make_llama, write_result
+from common import HERE, cpu_seconds, make_llama, stop_process, write_result
 
 from rollq.client import RolloutClient
 from rollq.config import VLLMSettings
@@ -151,12 +151,7 @@ class Rollq:
                 "cpu_worker_s": worker, "cpu_redis_s": redis, "cpu_trainer_s": trainer}
 
     def close(self) -> None:
-        self.worker.terminate()
-        try:
-            self.worker.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.worker.pid, 9)
-            self.worker.wait()
+        stop_process(self.worker)
 
 
 async def main(repeats: int, count: int) -> dict:

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import make_llama, write_result
+from common import make_llama, stop_process, write_result
 
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
@@ -134,11 +134,7 @@ async def main(repeats: int) -> dict:
                         runs.append(await swap_once(client, version, checkpoints[version % 2],
                                                     copy=mode == "copy"))
         finally:
-            worker.terminate()
-            try:
-                worker.wait(60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+            stop_process(worker)
             redis.stop()
     return {"bytes": size, "repeats": repeats, "model": MODEL,
             "modes": {mode: summary(runs, size) for mode, runs in modes.items()}}
