@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from rollq.bench import results_dir
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -32,12 +34,12 @@ def make_llama(path: Path, *, hidden: int, layers: int, vocab: int, intermediate
     return path
 
 
-def cpu_seconds(pid: int, *, children: bool = False) -> float:
-    """User + system CPU time of a process so far (its children's too, if asked and reaped)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (not its children's)."""
     import psutil
 
     t = psutil.Process(pid).cpu_times()
-    return t.user + t.system + ((t.children_user + t.children_system) if children else 0.0)
+    return t.user + t.system
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 60) -> None:
@@ -60,7 +62,7 @@ def machine() -> str:
 
 def write_result(name: str, result: dict) -> Path:
     result = {"benchmark": name, **result, "machine": machine(), "date": time.strftime("%Y-%m-%d")}
-    out = Path(os.environ.get("ROLLQ_BENCH_RESULTS", HERE / "results")) / f"{name}.json"
+    out = results_dir() / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return out
