@@ -158,7 +158,8 @@ class Worker:
         free = self._free_slots()
         if free <= 0:
             self._slot_freed.clear()
-            await _first(self._slot_freed.wait(), self._stopping.wait())
+            # Bounded: a missed wake-up must cost a poll, never the worker.
+            await _first(self._slot_freed.wait(), self._stopping.wait(), timeout=max(self.poll_s, 1.0))
             return True
         now = time.monotonic()
         if now >= self._next_refresh:
@@ -198,34 +199,43 @@ class Worker:
         return min(free, -(-room // self._typical_n))
 
     async def _start(self, claimed: list[Claimed]) -> None:
+        # A group this worker already runs can come back from reclaim when a renewal was late
+        # (the entry looked lapsed but is still ours): it must not run twice.
+        claimed = [c for c in claimed if c.key not in self._held]
         if not claimed:
             return
         for c in claimed:
             header = peek_header(c.data) if c.data else None
             if header is not None and 1 <= header.n <= MAX_N:
                 c.n = self._typical_n = header.n
-        states = await self.queue.job_states({c.job_id for c in claimed if c.job_id})
+        states = await self.queue.job_states(claimed)
         for c in claimed:
-            task = asyncio.create_task(self._run_group(c, states.get(c.job_id)))
+            task = asyncio.create_task(self._run_group(c, states.get(c.key)))
             self._held[c.key] = _Held(c, task)
 
     # --- one group ---------------------------------------------------------------------------
 
     async def _run_group(self, c: Claimed, job_state: str | None) -> None:
+        engine_died = False
         try:
             await self._serve(c, job_state)
         except EngineDead as e:
             # Stays held: shutdown hands it back, counted as a delivery, with the error.
+            engine_died = True
             self._fatal = e
             self._stopping.set()
             self._hurry.set()
-            return
         except Exception as e:  # a bug or Redis trouble: hand it back, counted, with the error
             log.exception("group %s/%s failed unexpectedly; handing it back", c.job_id, c.group_index)
             self.stats.error()
             await self._release_quietly([c], error=f"{type(e).__name__}: {e}", refund=False)
-        self._held.pop(c.key, None)
-        self._slot_freed.set()
+        finally:
+            # Also when cancelled (a lost lease, a cancelled job): a slot that is never given
+            # back leaves a full worker waiting to claim forever.
+            held = self._held.get(c.key)
+            if not engine_died and held is not None and held.task is asyncio.current_task():
+                del self._held[c.key]
+            self._slot_freed.set()
 
     async def _serve(self, c: Claimed, job_state: str | None) -> None:
         if c.deliveries > self.max_deliveries:
@@ -359,9 +369,9 @@ class Worker:
             lost = self._held.pop(c.key, None)
             if lost:
                 lost.task.cancel()
-        states = await self.queue.job_states({h.claimed.job_id for h in held if h.claimed.job_id})
+        states = await self.queue.job_states([h.claimed for h in held])
         for h in held:
-            if states.get(h.claimed.job_id) == "cancelled" and self._held.get(h.claimed.key) is h:
+            if states.get(h.claimed.key) == "cancelled" and self._held.get(h.claimed.key) is h:
                 h.task.cancel()
                 await asyncio.gather(h.task, return_exceptions=True)
                 c = h.claimed
