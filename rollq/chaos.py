@@ -217,9 +217,10 @@ async def _postmortem(url: str, lost: list[tuple[str, int]]) -> None:
                                                      await redis.xrange(keys.results("trainer")))}
         for job, group in lost[:20]:
             entry = work.get((job, group))
+            state = await redis.hget(keys.job("trainer", job), "state")
             console.print(
-                f"[red]lost {job}/{group}[/red]: job state {await redis.hget(keys.job(job), 'state')}, "
-                f"done {await redis.hget(keys.done(job), str(group))}, work entry {entry} "
+                f"[red]lost {job}/{group}[/red]: job state {state}, "
+                f"done {await redis.hget(keys.done('trainer', job), str(group))}, work entry {entry} "
                 f"pending {pending.get(entry) if entry else None}, in result stream {(job, group) in unread}")
     finally:
         await redis.aclose()

@@ -25,8 +25,8 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
     check_id("trainer", trainer)
     # Keys a script is given must be writable (Redis checks a script's declared keys as
     # read-write), so the quota hash the submit script reads is writable too.
-    own = [keys.work(trainer), keys.results(trainer), keys.outstanding(trainer), keys.job("*"),
-           keys.done("*"), keys.trainers, keys.bounded_jobs, keys.quotas]
+    own = [keys.work(trainer), keys.results(trainer), keys.outstanding(trainer), keys.job(trainer, "*"),
+           keys.done(trainer, "*"), keys.trainers, keys.bounded_jobs, keys.quotas]
     registry = [keys.latest, keys.versions, keys.version_events]
     rules = [trainer, "on", f">{password}", "resetkeys", "resetchannels", *_COMMANDS]
     rules += [f"~{k}" for k in own]

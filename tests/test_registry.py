@@ -175,13 +175,13 @@ async def test_retention_keeps_what_workers_and_unfinished_jobs_need(make_publis
         version=2, inflight=0, state="serving")
     job = await client.submit([[1]], exact_version=4)
     done_job = await client.submit([[1]], exact_version=1)
-    await redis.hset(client.keys.job(done_job), "state", "done")
+    await redis.hset(client.keys.job(client.trainer_id, done_job), "state", "done")
     removed = await retain(redis, client.keys, WeightStore(tmp_path / "store"), keep=2)
     assert removed == [1, 3]  # kept: 2 (a worker), 4 (an unfinished job), 5 and 6 (newest)
     assert [e.version for e in await client.registry.entries()] == [2, 4, 5, 6]
     assert len([p for p in (tmp_path / "store").rglob("v*") if p.is_dir()]) == 4
     await client.cancel(job)
-    await redis.hset(client.keys.job(job), "state", "done")
+    await redis.hset(client.keys.job(client.trainer_id, job), "state", "done")
     assert await retain(redis, client.keys, WeightStore(tmp_path / "store"), keep=2) == [4]
 
 

@@ -58,11 +58,11 @@ async def submit(request: web.Request) -> web.Response:
 
 
 async def _own_job(gw: Gateway, policy: str, who: Principal, job_id: str) -> JobStatus:
-    status = await jobs.job_status(gw.redis, Keys(policy), job_id)
-    if status is None or status.trainer_id not in (who.trainer, gw.completions_trainer(who.trainer)):
-        raise ApiError(404, f"no job {job_id!r} of trainer {who.trainer!r} in policy {policy!r} "
-                            "(unknown, expired or another trainer's)", "job_id")
-    return status
+    for trainer in (who.trainer, gw.completions_trainer(who.trainer)):
+        if status := await jobs.job_status(gw.redis, Keys(policy), trainer, job_id):
+            return status
+    raise ApiError(404, f"no job {job_id!r} of trainer {who.trainer!r} in policy {policy!r} "
+                        "(unknown or expired)", "job_id")
 
 
 async def job_status(request: web.Request) -> web.Response:

@@ -60,7 +60,7 @@ async def enqueue(
     Raises QueueFull when the trainer's outstanding groups plus these would pass its quota.
     """
     reply = await scripts.enqueue(
-        keys=[keys.job(job_id), keys.work(trainer), keys.trainers, keys.outstanding(trainer),
+        keys=[keys.job(trainer, job_id), keys.work(trainer), keys.trainers, keys.outstanding(trainer),
               keys.quotas, keys.bounded_jobs],
         args=[trainer, quota, len(items), time.time(), deadline, meta, job_id, min_version,
               "" if max_version is None else max_version, *items],
@@ -69,10 +69,13 @@ async def enqueue(
     verdict = reply[0].decode()
     if verdict == "full":
         outstanding, limit = int(reply[1]), int(reply[2])
-        raise QueueFull(
-            f"trainer {trainer!r} has {outstanding} outstanding groups; {len(items)} more would "
-            f"pass its quota of {limit} (results count until acknowledged)"
-        )
+        if len(items) > limit:
+            message = (f"{len(items)} groups can never fit trainer {trainer!r}'s quota of {limit} "
+                       "(the smaller of max_outstanding and the operator's cap); submit fewer")
+        else:
+            message = (f"trainer {trainer!r} has {outstanding} outstanding groups; {len(items)} more "
+                       f"would pass its quota of {limit} (results count until acknowledged)")
+        raise QueueFull(message, outstanding=outstanding, limit=limit, groups=len(items))
     return Enqueued(created=verdict == "ok")
 
 
@@ -80,8 +83,9 @@ async def outstanding(redis: Redis, keys: Keys, trainer: str) -> int:
     return int(await redis.get(keys.outstanding(trainer)) or 0)
 
 
-async def job_status(redis: Redis, keys: Keys, job_id: str) -> JobStatus | None:
-    record = await redis.hgetall(keys.job(job_id))
+async def job_status(redis: Redis, keys: Keys, trainer: str, job_id: str) -> JobStatus | None:
+    """The record of `trainer`'s job `job_id` (None: no such job of that trainer)."""
+    record = await redis.hgetall(keys.job(trainer, job_id))
     if not record:
         return None
     field = {k.decode(): v for k, v in record.items()}
@@ -102,7 +106,7 @@ async def job_status(redis: Redis, keys: Keys, job_id: str) -> JobStatus | None:
     )
 
 
-async def cancel(redis: Redis, scripts: Scripts, keys: Keys, job_id: str) -> int | None:
+async def cancel(redis: Redis, scripts: Scripts, keys: Keys, trainer: str, job_id: str) -> int | None:
     """Mark the job cancelled; returns its groups still without a result (None: no such job)."""
-    left = int(await scripts.cancel(keys=[keys.job(job_id)], client=redis))
+    left = int(await scripts.cancel(keys=[keys.job(trainer, job_id)], client=redis))
     return None if left < 0 else left

@@ -37,13 +37,14 @@ class Keys:
         """Result stream of one trainer: one entry per finished group."""
         return f"{self._p}:res:{trainer}"
 
-    def job(self, job_id: str) -> str:
-        """Hash: the job record with its counters."""
-        return f"{self._p}:job:{job_id}"
+    def job(self, trainer: str, job_id: str) -> str:
+        """Hash: the job record with its counters. Job ids are the trainer's own: two trainers'
+        `step-1` are two jobs (ids cannot contain ':', so trainer and id cannot run together)."""
+        return f"{self._p}:job:{trainer}:{job_id}"
 
-    def done(self, job_id: str) -> str:
+    def done(self, trainer: str, job_id: str) -> str:
         """Hash group_index -> status: the groups of a job that have their terminal result."""
-        return f"{self._p}:done:{job_id}"
+        return f"{self._p}:done:{trainer}:{job_id}"
 
     def outstanding(self, trainer: str) -> str:
         """Counter: groups submitted by a trainer whose result it has not acknowledged."""
@@ -86,7 +87,8 @@ class Keys:
 
     @property
     def bounded_jobs(self) -> str:
-        """Set of unfinished jobs with a max_version: retention keeps the versions they need."""
+        """Set of the job keys of unfinished jobs with a max_version: retention keeps the
+        versions they need."""
         return f"{self._p}:bounded-jobs"
 
     @property

@@ -135,28 +135,51 @@ class WorkQueue:
         return got
 
     async def reclaim(self, streams: list[str], lease_ms: int, count: int) -> list[Claimed]:
-        """Take over up to `count` entries whose lease lapsed, with their delivery counts."""
+        """Take over up to `count` entries whose lease lapsed, with their delivery counts.
+
+        Shared among the streams as `claim` shares new entries (equal shares, rotating start,
+        unused shares passed on): groups that are handed back again and again (waiting for a
+        version) must not keep another trainer's lapsed group out.
+        """
         got: list[Claimed] = []
-        for stream in streams:
-            if len(got) >= count:
-                break
-            cursor = self._reclaim_cursor.get(stream, "0-0")
-            try:
-                next_cursor, entries = await self.scripts.reclaim(
-                    keys=[stream, self.keys.errors],
-                    args=[self.consumer, lease_ms, cursor, count - len(got)],
-                    client=self.redis,
-                )
-            except ResponseError as e:
-                if "NOGROUP" not in str(e):
-                    raise
-                await self.ensure_group(stream)
-                continue
-            self._reclaim_cursor[stream] = _text(next_cursor)
-            for entry_id, fields, deliveries, error in entries:
-                got.append(_entry(stream, entry_id, fields, deliveries=int(deliveries),
-                                  last_error=_text(error)))
+        if not streams:
+            return got
+        start = self._rotation % len(streams)
+        self._rotation += 1
+        candidates = streams[start:] + streams[:start]
+        while candidates and len(got) < count:
+            want = count - len(got)
+            shares = [want // len(candidates) + (i < want % len(candidates))
+                      for i in range(len(candidates))]
+            more = []
+            for stream, share in zip(candidates, shares):
+                if share == 0:
+                    more.append(stream)
+                    continue
+                entries = await self._reclaim_stream(stream, lease_ms, share)
+                got.extend(entries)
+                if len(entries) == share:  # may hold more: eligible for unused shares
+                    more.append(stream)
+            # Ends: a pass either fills `count` or drops a stream that came up short.
+            candidates = more
         return got
+
+    async def _reclaim_stream(self, stream: str, lease_ms: int, count: int) -> list[Claimed]:
+        cursor = self._reclaim_cursor.get(stream, "0-0")
+        try:
+            next_cursor, entries = await self.scripts.reclaim(
+                keys=[stream, self.keys.errors],
+                args=[self.consumer, lease_ms, cursor, count],
+                client=self.redis,
+            )
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await self.ensure_group(stream)
+            return []
+        self._reclaim_cursor[stream] = _text(next_cursor)
+        return [_entry(stream, entry_id, fields, deliveries=int(deliveries), last_error=_text(error))
+                for entry_id, fields, deliveries, error in entries]
 
     async def renew(self, held: list[Claimed]) -> list[Claimed]:
         """Extend the lease of every held entry; returns the ones this worker no longer owns."""
@@ -184,8 +207,8 @@ class WorkQueue:
         trainer = self.keys.trainer_of(claimed.stream)
         job_id = claimed.job_id or "-"
         group = "" if claimed.group_index is None else str(claimed.group_index)
-        call = ([claimed.stream, self.keys.results(trainer), self.keys.job(job_id),
-                 self.keys.done(job_id), self.keys.errors, self.keys.dead],
+        call = ([claimed.stream, self.keys.results(trainer), self.keys.job(trainer, job_id),
+                 self.keys.done(trainer, job_id), self.keys.errors, self.keys.dead],
                 [self.consumer, claimed.entry_id, group if claimed.job_id else "", status,
                  payload, self.job_ttl_s, dead_reason, claimed.data or b""])
         reply = asyncio.get_running_loop().create_future()
@@ -233,11 +256,12 @@ class WorkQueue:
             )
         return released
 
-    async def job_states(self, job_ids: set[str]) -> dict[str, str | None]:
-        """`pending`, `done`, `cancelled`, or None for a job without a record."""
-        ordered = sorted(job_ids)
+    async def job_states(self, claimed: list[Claimed]) -> dict[tuple[str, str], str | None]:
+        """The state of each entry's job by entry key: `pending`, `done`, `cancelled`, or None
+        for a job without a record (or an entry that names none)."""
+        named = [c for c in claimed if c.job_id]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in ordered:
-                pipe.hget(self.keys.job(job_id), "state")
+            for c in named:
+                pipe.hget(self.keys.job(self.keys.trainer_of(c.stream), c.job_id), "state")
             states = await pipe.execute()
-        return {j: _text(s) for j, s in zip(ordered, states)}
+        return {c.key: _text(s) for c, s in zip(named, states)}

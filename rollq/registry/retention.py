@@ -16,12 +16,12 @@ log = logging.getLogger("rollq.registry")
 
 async def needed_by_jobs(redis: Redis, keys: Keys) -> set[tuple[int, int]]:
     """[min, max] windows of unfinished jobs with an upper bound; finished ones leave the set."""
-    job_ids = [j.decode() for j in await redis.smembers(keys.bounded_jobs)]
+    job_keys = [j.decode() for j in await redis.smembers(keys.bounded_jobs)]
     windows, finished = set(), []
-    for job_id in job_ids:
-        state, lo, hi = await redis.hmget(keys.job(job_id), "state", "min_version", "max_version")
+    for job_key in job_keys:
+        state, lo, hi = await redis.hmget(job_key, "state", "min_version", "max_version")
         if state is None or state != b"pending":
-            finished.append(job_id)
+            finished.append(job_key)
         else:
             windows.add((int(lo), int(hi)))
     if finished:

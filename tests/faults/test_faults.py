@@ -115,7 +115,7 @@ async def test_killed_connections_during_1000_submits_make_exactly_1000_jobs(mak
         killing.cancel()
         await asyncio.gather(killing, return_exceptions=True)
     keys = Keys(policy)
-    jobs = [k async for k in redis.scan_iter(match=keys.job("*"), count=1000)]
+    jobs = [k async for k in redis.scan_iter(match=keys.job("trainer", "*"), count=1000)]
     entries = await redis.xrange(keys.work("trainer"))
     assert kills > 10, "the test killed too few connections to mean anything"
     assert len(acknowledged) == len(jobs) == len(entries) == 1000

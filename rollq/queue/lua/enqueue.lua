@@ -24,7 +24,7 @@ redis.call('HSET', KEYS[1], 'trainer', ARGV[1], 'groups', groups, 'done', 0, 'ok
 if ARGV[9] ~= '' then
   -- An upper bound may need old versions: retention looks here before deleting any.
   redis.call('HSET', KEYS[1], 'max_version', ARGV[9])
-  redis.call('SADD', KEYS[6], ARGV[7])
+  redis.call('SADD', KEYS[6], KEYS[1])
 end
 for i = 1, groups do
   -- j and g repeat the payload's job and group so a malformed payload can still be named.
