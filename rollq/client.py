@@ -32,6 +32,7 @@ from rollq.protocol import (
     VersionEntry,
     WorkItem,
     check_id,
+    check_trainer_id,
     encode,
     encode_meta,
     pack_tokens,
@@ -114,7 +115,7 @@ class RolloutClient:
         reconnect_s: float = 60.0,
     ):
         self.keys = Keys(policy)
-        self.trainer_id = check_id("trainer_id", trainer_id)
+        self.trainer_id = check_trainer_id("trainer_id", trainer_id)
         if not 1 <= max_outstanding <= 10_000_000:
             raise InvalidInput("max_outstanding", f"{max_outstanding} is out of range [1, 10000000]")
         self.max_outstanding = max_outstanding
@@ -185,12 +186,12 @@ class RolloutClient:
                     job_id=job_id, items=[b for b, _ in items], quota=self.max_outstanding,
                     deadline=deadline, meta=meta_bytes, min_version=window[0], max_version=window[1])
                 return job_id
-            except QueueFull:
-                if not wait or (give_up is not None and time.monotonic() >= give_up):
+            except QueueFull as full:
+                if full.never_fits or not wait or (give_up is not None and time.monotonic() >= give_up):
                     raise
+                limit = full.limit  # the effective cap: the operator's may be below ours
             # Poll the cheap counter, not the whole batch, until there is room.
-            while await jobs.outstanding(self.redis, self.keys, self.trainer_id) + len(items) \
-                    > self.max_outstanding:
+            while await jobs.outstanding(self.redis, self.keys, self.trainer_id) + len(items) > limit:
                 if give_up is not None and time.monotonic() >= give_up:
                     break
                 await asyncio.sleep(delay * (0.5 + random.random()))
@@ -278,7 +279,7 @@ class RolloutClient:
     # --- jobs --------------------------------------------------------------------------------
 
     async def status(self, job_id: str) -> JobStatus:
-        status = await jobs.job_status(self.redis, self.keys, job_id)
+        status = await jobs.job_status(self.redis, self.keys, self.trainer_id, job_id)
         if status is None:
             raise KeyError(f"no job {job_id!r} in policy {self.keys.policy!r} (unknown or expired)")
         return status
@@ -299,7 +300,7 @@ class RolloutClient:
 
     async def cancel(self, job_id: str) -> int:
         """Cancel a job: its groups without a result end `cancelled`. Returns how many were left."""
-        left = await jobs.cancel(self.redis, self.scripts, self.keys, job_id)
+        left = await jobs.cancel(self.redis, self.scripts, self.keys, self.trainer_id, job_id)
         if left is None:
             raise KeyError(f"no job {job_id!r} in policy {self.keys.policy!r} (unknown or expired)")
         return left

@@ -54,7 +54,19 @@ class InvalidInput(ValueError):
 
 
 class QueueFull(Exception):
-    """The trainer's quota of outstanding groups has no room and the caller asked not to wait."""
+    """The trainer's quota of outstanding groups has no room and the caller asked not to wait
+    (or the job is larger than the quota and can never fit)."""
+
+    def __init__(self, message: str, *, outstanding: int = 0, limit: int = 0, groups: int = 0):
+        super().__init__(message)
+        self.outstanding = outstanding
+        self.limit = limit
+        """The effective quota: the smaller of the client's and the operator's cap."""
+        self.groups = groups
+
+    @property
+    def never_fits(self) -> bool:
+        return self.groups > self.limit
 
 
 # --- Packed arrays ---------------------------------------------------------------------------
@@ -260,6 +272,27 @@ def check_id(field: str, value: Any) -> str:
     if not ID_PATTERN.match(value):
         raise InvalidInput(field, f"{value!r} may contain only letters, digits, '.', '_' and '-'")
     return value
+
+
+DERIVED_SEPARATOR = "~"
+"""Joins the parts of a trainer id rollq derives; never allowed in an id a user chooses."""
+
+
+def derived_trainer_id(trainer: str, purpose: str, owner: str) -> str:
+    """The trainer id under which rollq submits on `trainer`'s behalf (e.g. a gateway's
+    completions): `trainer~purpose~owner`. No chosen id contains the separator, so a derived
+    id can equal neither a user's trainer id nor another derived id, whatever the lengths."""
+    return DERIVED_SEPARATOR.join(check_id(field, part) for field, part in
+                                  (("trainer", trainer), ("purpose", purpose), ("owner", owner)))
+
+
+def check_trainer_id(field: str, value: Any) -> str:
+    """A trainer id as chosen by a user, or one of rollq's derived ids."""
+    if isinstance(value, str) and value.count(DERIVED_SEPARATOR) == 2:
+        for part in value.split(DERIVED_SEPARATOR):
+            check_id(field, part)
+        return value
+    return check_id(field, value)
 
 
 def _check_range(field: str, value: float, lo: float, hi: float) -> None:

@@ -1,8 +1,8 @@
 """The vLLM/OpenAI-compatible surface: `/v1/completions` and `/v1/models`, through the queue.
 
 A completion request becomes one rollq job (one group per prompt, `n` samples each) submitted
-as the trainer `<token's trainer>.completions.<gateway id>`; a router reads that trainer's
-result stream and hands each group to the request waiting for its job. Choices come
+as the trainer `<token's trainer>~completions~<gateway id>` (`derived_trainer_id`); a router
+reads that trainer's result stream and hands each group to the request waiting for its job. Choices come
 prompt-major (all n of prompt 0, then prompt 1, ...), and each says which policy versions
 produced it (`policy_versions`, as rollq's version segments).
 """

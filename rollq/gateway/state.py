@@ -18,7 +18,7 @@ from rollq.client import RolloutClient
 from rollq.gateway.auth import Tokens
 from rollq.gateway.completions import CompletionRouter, TokenText
 from rollq.gateway.pool_view import PoolSampler
-from rollq.protocol import InvalidInput, check_id
+from rollq.protocol import InvalidInput, check_id, derived_trainer_id
 from rollq.queue.connection import DEFAULT_URL, check_durability
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
@@ -101,7 +101,7 @@ class Gateway:
         return ResultReader(self.redis, self.scripts, Keys(policy), trainer, trainer)
 
     def completions_trainer(self, trainer: str) -> str:
-        return f"{trainer}.completions.{self.settings.gateway_id}"[:128]
+        return derived_trainer_id(trainer, "completions", self.settings.gateway_id)
 
     def router(self, policy: str, trainer: str) -> CompletionRouter:
         key = (policy, trainer)
