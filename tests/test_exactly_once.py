@@ -126,3 +126,19 @@ async def test_worker_never_reclaims_a_group_it_already_holds(make_client, make_
     assert result.status == "ok"
     assert calls == [0], f"the group ran {len(calls)} times"
     assert await client.take(1, timeout_s=0.5) == []
+
+
+async def test_a_lost_claim_reply_does_not_burn_a_delivery(make_client, make_worker, redis):
+    """Suspected, proven: when the reply to a claim (or reclaim) is lost and redis-py retries the
+    read, the entries it delivered sit pending on the worker's name with nobody serving them;
+    their lease lapses and the takeover counts one more delivery, so connection churn could
+    dead-letter a healthy group. The worker hands such orphans back, refunded, within a lease."""
+    client = make_client()
+    await client.submit([[8]], n=1)
+    stream = client.keys.work("trainer")
+    # The reply of the worker's read is lost: the entry is delivered to it, and it never knows.
+    delivered = await redis.xreadgroup(WORKERS_GROUP, "w-lost-reply", {stream: ">"}, count=1)
+    assert delivered and delivered[0][1]
+    make_worker("w-lost-reply", max_deliveries=1, lease_s=2.0)
+    [result] = await collect(client, 1, timeout_s=15)
+    assert result.status == "ok", result.reason

@@ -181,6 +181,30 @@ class WorkQueue:
         return [_entry(stream, entry_id, fields, deliveries=int(deliveries), last_error=_text(error))
                 for entry_id, fields, deliveries, error in entries]
 
+    async def unheld(self, streams: list[str], held: set[tuple[str, str]], idle_ms: int,
+                     limit: int = 1000) -> list[Claimed]:
+        """Entries pending on this worker's name, idle for `idle_ms`, that it does not hold.
+
+        They come from a read whose reply was lost: redis-py retried the XREADGROUP (or the
+        reclaim), the retry returned other entries, and these were delivered to nobody.
+        """
+        if not streams:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream in streams:
+                pipe.xpending_range(stream, WORKERS_GROUP, "-", "+", limit,
+                                    consumername=self.consumer, idle=idle_ms)
+            replies = await pipe.execute(raise_on_error=False)
+        found = []
+        for stream, reply in zip(streams, replies):
+            if isinstance(reply, ResponseError):  # NOGROUP: nothing of ours there
+                continue
+            for p in reply:
+                c = Claimed(stream, _text(p["message_id"]), None, None, None)
+                if c.key not in held:
+                    found.append(c)
+        return found
+
     async def renew(self, held: list[Claimed]) -> list[Claimed]:
         """Extend the lease of every held entry; returns the ones this worker no longer owns."""
         by_stream: dict[str, list[Claimed]] = {}

@@ -361,6 +361,7 @@ class Worker:
                                   totals=self.stats.totals)
 
     async def _renew_once(self) -> None:
+        await self._hand_back_unheld()
         held = list(self._held.values())
         if not held:
             return
@@ -379,6 +380,15 @@ class Worker:
                                                   reason="job cancelled", worker_id=self.worker_id))
                 self._held.pop(c.key, None)
                 self._slot_freed.set()
+
+    async def _hand_back_unheld(self) -> None:
+        """Entries delivered to this worker by a read whose reply was lost go back, refunded,
+        before their lease lapses: a takeover would count a delivery that never happened.
+        Half a lease idle: held entries are renewed every third of one."""
+        orphans = await self.queue.unheld(self._streams, set(self._held), int(self.lease_s * 500))
+        if orphans:
+            n = await self.queue.release(orphans, refund=True)
+            log.warning("handed back %d groups delivered to this worker by a lost read reply", n)
 
     async def _drain(self) -> None:
         running = [h.task for h in self._held.values() if not h.task.done()]
