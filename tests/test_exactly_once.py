@@ -68,7 +68,7 @@ async def test_submit_against_the_operators_cap_waits_without_spinning(make_clie
     """Bug 5: QueueFull carries the effective cap; waiting polls gently; a job larger than the
     cap is refused at once."""
     client = make_client(max_outstanding=100)
-    await redis.hset(Keys(policy).quotas, "trainer", 2)
+    await redis.set(Keys(policy).quota("trainer"), 2)
     await client.submit([[1], [2]], n=1)
     with pytest.raises(QueueFull, match="quota of 2") as full:
         await client.submit([[3]], n=1, wait=False)

@@ -116,7 +116,7 @@ async def test_quota_raises_or_waits_for_room(make_client, make_worker):
 
 async def test_server_side_quota_caps_the_client(make_client, redis):
     client = make_client(max_outstanding=100)
-    await redis.hset(client.keys.quotas, "trainer", 3)
+    await redis.set(client.keys.quota("trainer"), 3)
     with pytest.raises(QueueFull, match="quota of 3"):
         await client.submit([[1]] * 4, wait=False)
 

@@ -61,7 +61,7 @@ async def enqueue(
     """
     reply = await scripts.enqueue(
         keys=[keys.job(trainer, job_id), keys.work(trainer), keys.trainers, keys.outstanding(trainer),
-              keys.quotas, keys.bounded_jobs],
+              keys.quota(trainer), keys.bounded_jobs],
         args=[trainer, quota, len(items), time.time(), deadline, meta, job_id, min_version,
               "" if max_version is None else max_version, *items],
         client=redis,

@@ -55,10 +55,10 @@ class Keys:
         """Set of trainers that have a work stream."""
         return f"{self._p}:trainers"
 
-    @property
-    def quotas(self) -> str:
-        """Hash trainer -> server-side cap on outstanding groups (optional, set by operators)."""
-        return f"{self._p}:quotas"
+    def quota(self, trainer: str) -> str:
+        """Server-side cap on a trainer's outstanding groups (optional, set by operators). One
+        key per trainer, so a trainer's ACL can reach its own cap and no one else's."""
+        return f"{self._p}:quota:{trainer}"
 
     @property
     def errors(self) -> str:

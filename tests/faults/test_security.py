@@ -72,6 +72,63 @@ async def test_acl_trainer_users_reach_only_their_own_streams(durable_redis, pol
         await bob.close()
 
 
+async def test_acl_trainer_cannot_touch_another_trainers_jobs_quota_or_claim_order(durable_redis,
+                                                                                   policy):
+    """Under `rollq acl`, each attack of a trainer with direct Redis access on another trainer's
+    jobs, done markers, quota, results or place in the claim order is NOPERM or has no effect."""
+    admin = redis_async.Redis(port=durable_redis.port)
+    for rule in (trainer_acl(policy, "alice", "alice-pw"), trainer_acl(policy, "mallory", "m-pw"),
+                 worker_acl(policy, "worker", "worker-pw")):
+        await admin.execute_command("ACL", "SETUSER", *rule)
+    url = f"redis://{{}}@127.0.0.1:{durable_redis.port}/0"
+    keys = Keys(policy)
+    alice = RolloutClient(url.format("alice:alice-pw"), policy=policy, trainer_id="alice")
+    mallory = RolloutClient(url.format("mallory:m-pw"), policy=policy, trainer_id="mallory")
+    worker = task = worker_redis = None
+    try:
+        await alice.submit([[1]], n=1, job_id="step-1")
+        await mallory.submit([[2]], n=1, job_id="step-1")  # its own step-1: a job of its own
+        m = mallory.redis
+        attacks = [
+            m.srem(keys.trainers, "alice"), m.delete(keys.trainers), m.delete(keys.bounded_jobs),
+            m.hset(keys.job("alice", "step-1"), "state", "cancelled"),
+            m.hset(keys.done("alice", "step-1"), "0", "ok"), m.set(keys.quota("alice"), 0),
+            m.set(keys.outstanding("alice"), 10**9), m.xadd(keys.results("alice"), {"d": b"x"}),
+            m.eval("return redis.call('SREM', KEYS[1], 'alice')", 1, keys.trainers),
+            m.scan(0, match=f"{keys.every_key}"),
+        ]
+        for attack in attacks:
+            with pytest.raises((NoPermissionError, ResponseError), match="(?i)noperm|permission"):
+                await attack
+        assert await admin.sismember(keys.trainers, "alice")
+        assert await admin.hget(keys.job("alice", "step-1"), "state") == b"pending"
+        with pytest.raises(KeyError):
+            await _status_of(mallory, "alice")
+        worker, task, worker_redis = await served_worker(url.format("worker:worker-pw"), policy)
+        [mine] = await alice.take(1, timeout_s=30)
+        assert mine.status == "ok" and mine.prompt_ids == [1]
+        [theirs] = await mallory.take(1, timeout_s=30)
+        assert theirs.prompt_ids == [2]
+    finally:
+        if worker is not None:
+            worker.stop()
+            worker.stop()
+            await asyncio.wait_for(task, 30)
+            await worker_redis.aclose()
+        await alice.close()
+        await mallory.close()
+        await admin.aclose()
+
+
+async def _status_of(client: RolloutClient, trainer: str):
+    """A client posing as another trainer cannot read that trainer's job record."""
+    posing = RolloutClient(redis=client.redis, policy=client.keys.policy, trainer_id=trainer)
+    try:
+        return await posing.status("step-1")
+    except (NoPermissionError, ResponseError) as e:
+        raise KeyError(str(e)) from None
+
+
 def make_ca(directory, name: str) -> None:
     """A CA (ca.pem) and a server certificate for 127.0.0.1 signed by it, with openssl."""
     directory.mkdir(parents=True)

@@ -1,5 +1,5 @@
 -- Submit one job: its record and one work entry per group, atomically, in one round trip.
--- KEYS: job, work stream, trainers set, outstanding counter, quotas hash, bounded-jobs set
+-- KEYS: job, work stream, trainers set, outstanding counter, the trainer's cap, bounded-jobs set
 -- ARGV: trainer, client quota, groups, created_at, deadline, meta, job_id, min_version,
 --       max_version ('' for none), item1..itemN
 -- Returns {'ok'}, {'dup'} (this job_id exists: idempotent submit) or {'full', outstanding, quota}.
@@ -8,7 +8,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 local groups = tonumber(ARGV[3])
 local quota = tonumber(ARGV[2])
-local cap = redis.call('HGET', KEYS[5], ARGV[1])
+local cap = redis.call('GET', KEYS[5])
 if cap and tonumber(cap) < quota then
   quota = tonumber(cap)
 end
