@@ -287,7 +287,8 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
                                                                              publisher=publisher)
     except InvalidInput as e:
         raise click.BadParameter(str(e)) from None
-    click.echo("ACL SETUSER " + " ".join(rules))
+    # A selector "(...)" is one argument: quoted for redis-cli.
+    click.echo("ACL SETUSER " + " ".join(f'"{r}"' if " " in r else r for r in rules))
     click.echo(f"# then connect with redis://{user}:{password}@HOST:6379/0", err=True)
 
 
