@@ -164,9 +164,13 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
 @click.option("--host", envvar="ROLLQ_GATEWAY_HOST", default="127.0.0.1", show_default=True)
 @click.option("--port", envvar="ROLLQ_GATEWAY_PORT", default=8000, show_default=True)
 @click.option("--tokens", envvar="ROLLQ_GATEWAY_TOKENS", default=None, type=click.Path(dir_okay=False),
-              help='JSON file {"<token>": {"trainer": ..., "policies": [...]}}.')
+              help='JSON file {"<token>": {"trainer": ..., "policies": [...], "scopes": [...]}} '
+                   '(scopes: rollouts (the default), publish, observe).')
 @click.option("--no-auth", is_flag=True, envvar="ROLLQ_GATEWAY_NO_AUTH",
               help="No tokens: every request is trainer 'anonymous' with every policy (loopback only).")
+@click.option("--public-observe", is_flag=True, envvar="ROLLQ_GATEWAY_PUBLIC_OBSERVE",
+              help="Serve /metrics and the dashboard's data without a token (they name every trainer "
+                   "and show failure reasons; default: a token with the 'observe' scope).")
 @click.option("--policy", "policies", multiple=True, envvar="ROLLQ_POLICY",
               help="Serve and show only these policies (default: all found).")
 @click.option("--gateway-id", envvar="ROLLQ_GATEWAY_ID", default="gateway", show_default=True,

@@ -22,10 +22,12 @@ class RunningGateway:
 
 
 def write_tokens(path: Path, policy: str) -> dict[str, str]:
-    """alice and bob may use the test's policy; mallory only another one."""
+    """alice and bob may use the test's policy, alice may also publish and observe; mallory may
+    use only another policy."""
     tokens = {name: secrets.token_hex(16) for name in ("alice", "bob", "mallory")}
     path.write_text(json.dumps({
-        tokens["alice"]: {"trainer": "alice", "policies": [policy]},
+        tokens["alice"]: {"trainer": "alice", "policies": [policy],
+                          "scopes": ["rollouts", "publish", "observe"]},
         tokens["bob"]: {"trainer": "bob", "policies": [policy]},
         tokens["mallory"]: {"trainer": "mallory", "policies": ["elsewhere"]},
     }))

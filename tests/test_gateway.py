@@ -146,6 +146,10 @@ async def test_publish_and_list_versions(make_gateway, policy, tmp_path):
             assert r.status == 409 and (await r.json())["error"]["field"] == "version"
         async with http.post(url, json={"version": 4, "path": str(outside)}) as r:
             assert r.status == 403 and (await r.json())["error"]["field"] == "path"
+        # Submitting is not publishing: bob's token has no publish scope.
+        async with http.post(url, json={"version": 4, "path": str(inside)},
+                             headers=gw.headers("bob")) as r:
+            assert r.status == 403 and (await r.json())["error"]["field"] == "scopes"
         async with http.get(url) as r:
             listed = await r.json()
         assert listed["latest"] == 3 and [v["version"] for v in listed["versions"]] == [3]
@@ -180,17 +184,23 @@ async def test_metrics_of_gateway_and_worker_move(make_gateway, spawn_worker, ma
     client = make_client()
     await client.submit([[1, 2], [3]], n=2, sampling={"max_tokens": 5})
     assert len(await client.take(2, timeout_s=30)) == 2
+    observer = gw.headers()
     async with aiohttp.ClientSession() as http:
-        async def scrape(url):
-            async with http.get(url) as r:
+        async def scrape(url, headers=observer):
+            async with http.get(url, headers=headers) as r:
                 assert r.status == 200
                 return _samples(await r.text())
+
+        # Trainer names and failure reasons: only for tokens with the observe scope.
+        for headers, status in (({}, 401), (gw.headers("bob"), 403)):
+            async with http.get(f"{gw.url}/metrics", headers=headers) as r:
+                assert r.status == status
 
         key = ("rollq_groups_total", (("policy", policy), ("status", "ok")))
         pool = await wait_until(lambda: _until(scrape(f"{gw.url}/metrics"), key, 2), what="gateway counters")
         assert pool[("rollq_tokens_total", (("policy", policy),))] == 2 * 2 * 5
         assert pool[("rollq_version_lag_count", (("policy", policy),))] == 4
-        worker = await scrape(f"http://127.0.0.1:{port}/metrics")
+        worker = await scrape(f"http://127.0.0.1:{port}/metrics", headers={})
         assert worker[("rollq_worker_groups_total", (("policy", policy), ("status", "ok")))] == 2
         assert worker[("rollq_worker_tokens_total", (("policy", policy),))] == 20
         assert worker[("rollq_worker_generation_seconds_count", (("policy", policy),))] == 2
@@ -262,18 +272,19 @@ async def test_dashboard_renders_live_numbers_in_headless_chromium(make_gateway,
     client = make_client()
     await client.submit([[i + 1] for i in range(12)], n=2, sampling={"max_tokens": 3})
     await client.take(12, timeout_s=30)
-    async with aiohttp.ClientSession(gw.url) as http:
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
         async def counted():
             async with http.get("/api/dashboard") as r:
                 p = (await r.json())["policies"].get(policy)
                 return p and p["groups"].get("ok") == 12
 
         await wait_until(counted, what="the sampler to count 12 groups")
-    dom = await _chromium("--dump-dom", f"{gw.url}/?policy={policy}")
+    page = f"{gw.url}/?policy={policy}#token={gw.tokens['alice']}"  # a fragment never leaves the browser
+    dom = await _chromium("--dump-dom", page)
     assert f'<option>{policy}</option>' in dom  # among every other test's policies
     assert '<div class="tile" data-name="groups done"><b>12</b>' in dom
     assert w.worker_id in dom and '<span class="state serving">serving</span>' in dom
     assert dom.count('class="uplot') == 3  # throughput, queue depth, staleness charts
     shot = tmp_path / "dashboard.png"
-    await _chromium(f"--screenshot={shot}", "--window-size=1400,1000", f"{gw.url}/?policy={policy}")
+    await _chromium(f"--screenshot={shot}", "--window-size=1400,1000", page)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

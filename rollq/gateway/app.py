@@ -45,6 +45,8 @@ class Route:
     reply: Any = None
     status: int = 200
     public: bool = False
+    scope: str = "rollouts"
+    """What the caller's token must allow (gateway/auth.py: SCOPES); not asked of public routes."""
     query: tuple[Param, ...] = ()
     media: str = "application/json"
     errors: tuple[int, ...] = field(default=(400, 401, 403))
@@ -81,7 +83,8 @@ ROUTES = [
     Route("GET", f"{_P}/versions", api.list_versions, "Registered policy versions", "versions",
           reply=VersionList),
     Route("POST", f"{_P}/versions", api.publish_version, "Publish a version from a weights directory",
-          "versions", body=PublishRequest, reply=VersionView, status=201, errors=(400, 401, 403, 409)),
+          "versions", body=PublishRequest, reply=VersionView, status=201, errors=(400, 401, 403, 409),
+          scope="publish"),
     Route("GET", f"{_P}/workers", api.workers, "Live workers and their versions", "pool",
           reply=list[WorkerState]),
     Route("GET", f"{_P}/status", api.status, "Versions, workers and queue depths", "pool",
@@ -92,10 +95,11 @@ ROUTES = [
           "openai", body=CompletionRequest, errors=(400, 401, 403, 409, 413, 429, 504)),
     Route("GET", "/health", api.health, "200 when the gateway and its Redis are up", "operations",
           public=True, media="", errors=(503,)),
+    # Behind a token by default: they name every trainer and show failure reasons.
     Route("GET", "/metrics", api.metrics, "Prometheus metrics of the pool and the gateway", "operations",
-          public=True, media="text/plain", errors=()),
+          media="text/plain", errors=(401, 403), scope="observe"),
     Route("GET", "/api/dashboard", api.dashboard_data, "The dashboard's data", "operations",
-          public=True, errors=()),
+          errors=(401, 403), scope="observe"),
     Route("GET", "/", api.dashboard, "The live dashboard", "operations", public=True, media="text/html",
           errors=()),
     Route("GET", "/static/{name}", static_file, "The dashboard's scripts and styles", "operations",
@@ -119,12 +123,24 @@ async def count_requests(request: web.Request, handler):
     return response
 
 
+def _guarded(route: Route, settings: GatewaySettings):
+    """The route's handler, behind its scope: the token is checked before the handler runs."""
+    if route.public or (route.scope == "observe" and settings.public_observe):
+        return route.handler
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        request.app[GATEWAY].tokens.principal(request).require(route.scope)
+        return await route.handler(request)
+
+    return handler
+
+
 def make_app(settings: GatewaySettings, redis=None, tokenizer: Any | None = None) -> web.Application:
     app = web.Application(middlewares=[count_requests, errors], client_max_size=settings.max_body_bytes)
     app[GATEWAY] = Gateway(settings, redis if redis is not None else connect(settings.redis_url), tokenizer)
     app[OPENAPI] = openapi_document(ROUTES)
     for route in ROUTES:
-        app.router.add_route(route.method, route.path, route.handler)
+        app.router.add_route(route.method, route.path, _guarded(route, settings))
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         await app[GATEWAY].start()

@@ -1,9 +1,11 @@
 """Bearer tokens → (trainer, allowed policies).
 
-The token file is JSON: `{"<token>": {"trainer": "run-7", "policies": ["math", "code"]}}`
-(`"*"` allows every policy). Tokens are kept only as sha256 digests in memory. With no token
-file the gateway refuses to start unless told `--no-auth`, which maps every request to the
-trainer `anonymous` with every policy (for a gateway on loopback, e.g. the demo).
+The token file is JSON: `{"<token>": {"trainer": "run-7", "policies": ["math", "code"],
+"scopes": ["rollouts", "publish"]}}` (`"*"` allows every policy). Scopes say what a token may
+do (`SCOPES`); without `scopes` a token may only do rollouts. Tokens are kept only as sha256
+digests in memory. With no token file the gateway refuses to start unless told `--no-auth`,
+which maps every request to the trainer `anonymous` with every policy and every scope (for a
+gateway on loopback, e.g. the demo).
 """
 
 from __future__ import annotations
@@ -18,15 +20,30 @@ from rollq.gateway.http import ApiError
 from rollq.protocol import InvalidInput, check_id
 
 
+SCOPES = {
+    "rollouts": "submit, read and acknowledge results, cancel, completions, see versions and workers",
+    "publish": "publish policy versions (whoever publishes decides what every trainer samples from)",
+    "observe": "/metrics and the dashboard's data: every trainer's names, counts and failure reasons",
+}
+
+
 class Principal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trainer: str
     policies: list[str]
+    scopes: list[str] = msgspec.field(default_factory=lambda: ["rollouts"])
 
     def may_use(self, policy: str) -> bool:
         return "*" in self.policies or policy in self.policies
 
+    def require(self, scope: str) -> None:
+        """403 unless the token has `scope`."""
+        if scope not in self.scopes:
+            raise ApiError(403, f"this token of trainer {self.trainer!r} lacks the scope {scope!r} "
+                                f"({SCOPES[scope]}); add it to the token's \"scopes\" in the token file",
+                           "scopes")
 
-ANONYMOUS = Principal("anonymous", ["*"])
+
+ANONYMOUS = Principal("anonymous", ["*"], list(SCOPES))
 
 
 class Tokens:
@@ -46,6 +63,10 @@ class Tokens:
                 raise InvalidInput("tokens", f"a token of {principal.trainer!r} is shorter than 16 "
                                              "characters; use long random tokens")
             check_id("trainer", principal.trainer)
+            for scope in principal.scopes:
+                if scope not in SCOPES:
+                    raise InvalidInput("tokens", f"a token of {principal.trainer!r} has the unknown "
+                                                 f"scope {scope!r}; scopes are {sorted(SCOPES)}")
         return cls(raw)
 
     def principal(self, request: web.Request) -> Principal:

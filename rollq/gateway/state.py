@@ -38,6 +38,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     tokens: str | None = None
     """JSON file of bearer tokens → (trainer, policies); see gateway/auth.py."""
     no_auth: bool = False
+    public_observe: bool = False
+    """Serve /metrics and the dashboard's data without a token (they name every trainer)."""
     """Every request is the trainer `anonymous` with every policy. Loopback use only."""
     policies: list[str] = []
     """Show and serve only these policies (default: every policy found in Redis)."""

@@ -60,7 +60,9 @@ function draw(p) {
 
 async function refresh() {
   try {
-    const r = await fetch("/api/dashboard");
+    // The token comes in the URL's fragment (/#token=...), which the browser never sends.
+    const token = new URLSearchParams(location.hash.slice(1)).get("token");
+    const r = await fetch("/api/dashboard", token ? {headers: {Authorization: "Bearer " + token}} : {});
     const d = await r.json();
     const names = Object.keys(d.policies);
     if (names.join() !== [...select.options].map((o) => o.value).join()) {
