@@ -154,6 +154,14 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def report(self, lines: int = 60) -> str:
+        """Its exit code and the tail of its log: what a failing test shows of it."""
+        code = self.proc.poll()
+        tail = self.log.splitlines()[-lines:]
+        return "\n".join([f"worker {self.worker_id} (pid {self.proc.pid}): "
+                          + ("running" if code is None else f"exited with code {code}"),
+                          f"last {len(tail)} lines of {self.log_path}:", *tail])
+
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
 
@@ -169,9 +177,19 @@ class WorkerProcess:
         self._log.close()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test shows the state and log tail of every worker process it spawned."""
+    if call.excinfo is not None and call.when in ("setup", "call"):
+        for p in getattr(item, "spawned_workers", ()):
+            item.add_report_section(call.when, f"worker {p.worker_id}", p.report())
+    yield
+
+
 @pytest.fixture
-def spawn_worker(redis_url, policy, tmp_path):
+def spawn_worker(request, redis_url, policy, tmp_path):
     made: list[WorkerProcess] = []
+    request.node.spawned_workers = made
 
     def create(worker_id: str | None = None, **flags) -> WorkerProcess:
         flags = {"engine": "instant", "poll_s": 0.1} | flags
