@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +26,27 @@ from rollq.queue.work import WorkQueue
 from rollq.worker.loop import Worker
 from rollq.worker.pool import reap_group
 from rollq.worker.swap import VersionFollower
+
+
+def reserved_port() -> int:
+    """A loopback port for another process to bind (with SO_REUSEADDR, as aiohttp and
+    redis-server do) in the next 60 s, which the kernel will not hand out meanwhile.
+
+    `free_port()` closes its socket, so until the other process binds, any bind to port 0 on the
+    machine (a gateway, a redis-server of another test run, vLLM) may be given the same port,
+    and the late binder dies with EADDRINUSE. Here the port is left in TIME_WAIT instead:
+    the kernel then skips it for port-0 binds and outgoing connections, while an explicit
+    bind with SO_REUSEADDR succeeds.
+    """
+    with contextlib.closing(socket.socket()) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        address = listener.getsockname()
+        with contextlib.closing(socket.create_connection(address)):
+            accepted, _ = listener.accept()
+            accepted.close()  # closes first: its TIME_WAIT holds the port
+        return address[1]
 
 
 def _wait_for_redis(url: str, proc: subprocess.Popen | None, timeout_s: float = 10) -> None:
