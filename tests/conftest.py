@@ -19,7 +19,6 @@ import redis as redis_sync
 
 from rollq.client import RolloutClient
 from rollq.engine.instant import InstantEngine
-from rollq.faults import free_port
 from rollq.queue.connection import connect
 from rollq.queue.keys import Keys
 from rollq.queue.work import WorkQueue
@@ -53,7 +52,13 @@ def _wait_for_redis(url: str, proc: subprocess.Popen | None, timeout_s: float = 
     give_up = time.monotonic() + timeout_s
     while True:
         try:
-            redis_sync.Redis.from_url(url).ping()
+            if proc is None:
+                redis_sync.Redis.from_url(url).ping()
+                return
+            pid = redis_sync.Redis.from_url(url).info("server")["process_id"]
+            if pid != proc.pid:  # our server could not bind: another one has the port
+                raise RuntimeError(f"{url} is served by pid {pid}, not by our redis-server "
+                                   f"(pid {proc.pid}, exit code {proc.poll()})")
             return
         except redis_sync.ConnectionError:
             if (proc and proc.poll() is not None) or time.monotonic() > give_up:
@@ -72,7 +77,7 @@ def redis_url(tmp_path_factory) -> str:
     if binary is None:
         pytest.exit("redis-server not found: run `make setup` (installs it) or set ROLLQ_TEST_REDIS_URL",
                     returncode=2)
-    port = free_port()
+    port = reserved_port()
     workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
