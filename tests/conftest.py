@@ -208,7 +208,8 @@ class WorkerProcess:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failing test shows the state and log tail of every worker process it spawned."""
-    if call.excinfo is not None and call.when in ("setup", "call"):
+    if (call.excinfo is not None and call.when in ("setup", "call")
+            and not call.excinfo.errisinstance(pytest.skip.Exception)):
         for p in getattr(item, "spawned_workers", ()):
             item.add_report_section(call.when, f"worker {p.worker_id}", p.report())
     yield
