@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +19,6 @@ import redis as redis_sync
 
 from rollq.client import RolloutClient
 from rollq.engine.instant import InstantEngine
-from rollq.faults import free_port
 from rollq.queue.connection import connect
 from rollq.queue.keys import Keys
 from rollq.queue.work import WorkQueue
@@ -26,11 +27,38 @@ from rollq.worker.pool import reap_group
 from rollq.worker.swap import VersionFollower
 
 
+def reserved_port() -> int:
+    """A loopback port for another process to bind (with SO_REUSEADDR, as aiohttp and
+    redis-server do) in the next 60 s, which the kernel will not hand out meanwhile.
+
+    `free_port()` closes its socket, so until the other process binds, any bind to port 0 on the
+    machine (a gateway, a redis-server of another test run, vLLM) may be given the same port,
+    and the late binder dies with EADDRINUSE. Here the port is left in TIME_WAIT instead:
+    the kernel then skips it for port-0 binds and outgoing connections, while an explicit
+    bind with SO_REUSEADDR succeeds.
+    """
+    with contextlib.closing(socket.socket()) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        address = listener.getsockname()
+        with contextlib.closing(socket.create_connection(address)):
+            accepted, _ = listener.accept()
+            accepted.close()  # closes first: its TIME_WAIT holds the port
+        return address[1]
+
+
 def _wait_for_redis(url: str, proc: subprocess.Popen | None, timeout_s: float = 10) -> None:
     give_up = time.monotonic() + timeout_s
     while True:
         try:
-            redis_sync.Redis.from_url(url).ping()
+            if proc is None:
+                redis_sync.Redis.from_url(url).ping()
+                return
+            pid = redis_sync.Redis.from_url(url).info("server")["process_id"]
+            if pid != proc.pid:  # our server could not bind: another one has the port
+                raise RuntimeError(f"{url} is served by pid {pid}, not by our redis-server "
+                                   f"(pid {proc.pid}, exit code {proc.poll()})")
             return
         except redis_sync.ConnectionError:
             if (proc and proc.poll() is not None) or time.monotonic() > give_up:
@@ -49,7 +77,7 @@ def redis_url(tmp_path_factory) -> str:
     if binary is None:
         pytest.exit("redis-server not found: run `make setup` (installs it) or set ROLLQ_TEST_REDIS_URL",
                     returncode=2)
-    port = free_port()
+    port = reserved_port()
     workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -154,6 +182,14 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def report(self, lines: int = 60) -> str:
+        """Its exit code and the tail of its log: what a failing test shows of it."""
+        code = self.proc.poll()
+        tail = self.log.splitlines()[-lines:]
+        return "\n".join([f"worker {self.worker_id} (pid {self.proc.pid}): "
+                          + ("running" if code is None else f"exited with code {code}"),
+                          f"last {len(tail)} lines of {self.log_path}:", *tail])
+
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
 
@@ -169,9 +205,20 @@ class WorkerProcess:
         self._log.close()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test shows the state and log tail of every worker process it spawned."""
+    if (call.excinfo is not None and call.when in ("setup", "call")
+            and not call.excinfo.errisinstance(pytest.skip.Exception)):
+        for p in getattr(item, "spawned_workers", ()):
+            item.add_report_section(call.when, f"worker {p.worker_id}", p.report())
+    yield
+
+
 @pytest.fixture
-def spawn_worker(redis_url, policy, tmp_path):
+def spawn_worker(request, redis_url, policy, tmp_path):
     made: list[WorkerProcess] = []
+    request.node.spawned_workers = made
 
     def create(worker_id: str | None = None, **flags) -> WorkerProcess:
         flags = {"engine": "instant", "poll_s": 0.1} | flags

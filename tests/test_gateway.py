@@ -4,6 +4,7 @@ about the HTTP surface, not generation) and a real redis-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -13,12 +14,12 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import pytest
+from conftest import reserved_port
 from gateway_fixtures import sse_events
 from helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollq.engine.instant import expected_tokens
-from rollq.faults import free_port
 from rollq.protocol import pack_tokens
 
 
@@ -178,12 +179,15 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 async def test_metrics_of_gateway_and_worker_move(make_gateway, spawn_worker, make_client, policy):
-    port = free_port()
+    # Reserved, not merely free: a port picked free and bound seconds later by the worker
+    # process may meanwhile be given to another bind; the worker then exits at start-up
+    # (EADDRINUSE) and no result ever comes.
+    port = reserved_port()
     gw = await make_gateway()
-    spawn_worker(metrics_port=port)
+    # lease_s / 3 is the heartbeat period, and the gateway sees a worker's totals only in them.
+    worker = spawn_worker(metrics_port=port, lease_s=6)
     client = make_client()
     await client.submit([[1, 2], [3]], n=2, sampling={"max_tokens": 5})
-    assert len(await client.take(2, timeout_s=30)) == 2
     observer = gw.headers()
     async with aiohttp.ClientSession() as http:
         async def scrape(url, headers=observer):
@@ -196,14 +200,21 @@ async def test_metrics_of_gateway_and_worker_move(make_gateway, spawn_worker, ma
             async with http.get(f"{gw.url}/metrics", headers=headers) as r:
                 assert r.status == status
 
+        async def serving():
+            assert worker.proc.poll() is None, worker.report()
+            with contextlib.suppress(aiohttp.ClientConnectionError):
+                return bool(await scrape(f"http://127.0.0.1:{port}/metrics", headers={}))
+
+        await wait_until(serving, timeout_s=60, what="the worker process to serve /metrics")
+        assert len(await client.take(2, timeout_s=30)) == 2
         key = ("rollq_groups_total", (("policy", policy), ("status", "ok")))
         pool = await wait_until(lambda: _until(scrape(f"{gw.url}/metrics"), key, 2), what="gateway counters")
         assert pool[("rollq_tokens_total", (("policy", policy),))] == 2 * 2 * 5
         assert pool[("rollq_version_lag_count", (("policy", policy),))] == 4
-        worker = await scrape(f"http://127.0.0.1:{port}/metrics", headers={})
-        assert worker[("rollq_worker_groups_total", (("policy", policy), ("status", "ok")))] == 2
-        assert worker[("rollq_worker_tokens_total", (("policy", policy),))] == 20
-        assert worker[("rollq_worker_generation_seconds_count", (("policy", policy),))] == 2
+        at_worker = await scrape(f"http://127.0.0.1:{port}/metrics", headers={})
+        assert at_worker[("rollq_worker_groups_total", (("policy", policy), ("status", "ok")))] == 2
+        assert at_worker[("rollq_worker_tokens_total", (("policy", policy),))] == 20
+        assert at_worker[("rollq_worker_generation_seconds_count", (("policy", policy),))] == 2
         again = await scrape(f"{gw.url}/metrics")  # the first scrape is counted by the second
         assert again[("rollq_gateway_requests_total", (("code", "200"), ("route", "/metrics")))] >= 1
 
