@@ -40,7 +40,8 @@ MAX_ID_CHARS = 128
 """`job_id`, `trainer_id`, policy names."""
 MAX_RESULT_BYTES = 512 * 1024 * 1024
 
-ID_PATTERN = re.compile(r"^[A-Za-z0-9._\-]+$")
+ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
+"""Matched with fullmatch: `$` would also match before a trailing newline."""
 
 Status = Literal["ok", "failed", "expired", "cancelled"]
 
@@ -257,8 +258,10 @@ def check_id(field: str, value: Any) -> str:
         raise InvalidInput(field, f"must be a non-empty string, got {value!r}")
     if len(value) > MAX_ID_CHARS:
         raise InvalidInput(field, f"is {len(value)} characters; the limit is {MAX_ID_CHARS}")
-    if not ID_PATTERN.match(value):
+    if not ID_PATTERN.fullmatch(value):
         raise InvalidInput(field, f"{value!r} may contain only letters, digits, '.', '_' and '-'")
+    if not value.strip("."):  # ids name directories and keys: `.` and `..` are paths, not names
+        raise InvalidInput(field, f"{value!r} is only dots; use a letter, digit, '_' or '-' too")
     return value
 
 
