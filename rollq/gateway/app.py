@@ -7,6 +7,7 @@ so the two cannot disagree.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -105,6 +106,8 @@ ROUTES = [
 ]
 
 OPENAPI = web.AppKey("openapi", dict)
+MAX_PUBLISHING = 2
+"""Concurrent publishes; more wait their turn without holding a thread."""
 
 
 @web.middleware
@@ -123,6 +126,7 @@ def make_app(settings: GatewaySettings, redis=None, tokenizer: Any | None = None
     app = web.Application(middlewares=[count_requests, errors], client_max_size=settings.max_body_bytes)
     app[GATEWAY] = Gateway(settings, redis if redis is not None else connect(settings.redis_url), tokenizer)
     app[OPENAPI] = openapi_document(ROUTES)
+    app[api.PUBLISHING] = asyncio.Semaphore(MAX_PUBLISHING)
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
 

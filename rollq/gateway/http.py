@@ -61,6 +61,10 @@ async def read_body(request: web.Request, cls: type[T]) -> T:
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the body is not valid {'msgpack' if kind in _MSGPACK_TYPES else 'JSON'}: {e}") \
             from None
+    except RecursionError:  # free-form fields (`meta`, `sampling.extra`) decode to any depth
+        raise ApiError(400, "the body is nested too deeply (arrays and objects inside each other "
+                            "beyond the decoder's limit of about 1000 levels); flatten meta and "
+                            "sampling.extra") from None
     raise ApiError(415, f"Content-Type {kind!r} is not supported; send {JSON} or {MSGPACK}")
 
 
