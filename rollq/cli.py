@@ -174,7 +174,8 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
 @click.option("--weight-store", envvar="ROLLQ_WEIGHT_STORE", default=None,
               help="Where published copies go [default: ~/.cache/rollq/weights].")
 @click.option("--weight-root", "weight_roots", multiple=True,
-              help="Directories that may be published by path (default: the weight store).")
+              help="Roots to publish by path from: policy P may publish only under ROOT/P/ "
+                   "(default root: the weight store).")
 @click.option("--tokenizer", envvar="ROLLQ_TOKENIZER", default=None,
               help="Local tokenizer directory: text prompts and completion text.")
 @click.option("--max-body-bytes", envvar="ROLLQ_MAX_BODY_BYTES", default=64 * 1024 * 1024, show_default=True)

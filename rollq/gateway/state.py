@@ -45,7 +45,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     """Names this gateway's completions trainers; give each of several gateways its own."""
     weight_store: str = msgspec.field(default_factory=_default_store)
     weight_roots: list[Path] = []
-    """Directories whose subdirectories may be published by path (default: the weight store)."""
+    """Directories whose `<root>/<policy>/` subtree that policy may publish by path (default: the
+    weight store, so `<store>/<policy>/`); another policy's store subtree is always refused."""
     tokenizer: str | None = None
     """A local tokenizer directory: text prompts are tokenized here and completions get text."""
     max_body_bytes: int = 64 * 1024 * 1024
