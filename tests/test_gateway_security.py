@@ -150,3 +150,76 @@ async def test_deeply_nested_body_is_a_400(make_gateway, policy, depth):
         assert r.status == 400, await r.text()
         error = (await r.json())["error"]
     assert "nested too deeply" in error["message"]
+
+
+# --- 5. slow clients -------------------------------------------------------------------------
+
+async def _half_sent(port: int, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    return reader, writer
+
+
+async def _closed_within(reader: asyncio.StreamReader, timeout_s: float) -> bytes | None:
+    """What the server sent before closing, or None if it kept the connection open."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await reader.read()
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        return b""
+
+
+async def test_half_sent_requests_are_closed_by_the_timeouts(make_gateway, policy):
+    """200 requests whose headers never end and 20 whose bodies never end: the gateway closes
+    each within its timeout (a 408 for the bodies) and answers /health meanwhile."""
+    gw = await make_gateway(header_timeout_s=1.0, body_timeout_s=1.0)
+    port = URL(gw.url).port
+    headers = f"POST /v1/policies/{policy}/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+    body = (f"{headers}{gw.tokens['alice']}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000\r\n\r\n{\"prompts\": ")
+    began = time.monotonic()
+    slow_headers = [await _half_sent(port, headers.encode()) for _ in range(200)]
+    slow_bodies = [await _half_sent(port, body.encode()) for _ in range(20)]
+    async with aiohttp.ClientSession(gw.url) as http, http.get("/health") as r:
+        assert r.status == 200
+    closed = await asyncio.gather(*(_closed_within(r, 10) for r, _ in slow_headers + slow_bodies))
+    took = time.monotonic() - began
+    for _, writer in slow_headers + slow_bodies:
+        writer.close()
+    assert None not in closed, f"{closed.count(None)} connections still open after {took:.1f} s"
+    assert all(b" 408 " in reply.split(b"\r\n")[0] for reply in closed[200:]), closed[200:][:2]
+    print(f"220 half-sent requests closed in {took:.1f} s")
+
+
+async def test_connections_beyond_the_cap_are_turned_away(make_gateway):
+    gw = await make_gateway(max_connections=50, header_timeout_s=30.0)
+    port = URL(gw.url).port
+    idle = [await _half_sent(port, b"GET /health HTTP/1.1\r\n") for _ in range(80)]
+    replies = await asyncio.gather(*(_closed_within(r, 5) for r, _ in idle))
+    turned_away = [r for r in replies if r is not None]
+    assert 30 - 5 <= len(turned_away) <= 30, len(turned_away)  # a burst may overshoot a little
+    assert all(r.startswith(b"HTTP/1.1 503 ") for r in turned_away), turned_away[:2]
+    for _, writer in idle:
+        writer.close()
+    async with aiohttp.ClientSession(gw.url) as http:
+        for _ in range(50):  # the slots free up once the idle sockets are closed
+            async with http.get("/health") as r:
+                if r.status == 200:
+                    break
+            await asyncio.sleep(0.1)
+        assert r.status == 200
+
+
+async def test_the_header_timeout_spares_slow_handlers(make_gateway, policy):
+    """A long poll outlives the header timeout: it bounds waiting for a request, not answering."""
+    gw = await make_gateway(header_timeout_s=0.5)
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
+        began = time.monotonic()
+        async with http.get(f"/v1/policies/{policy}/results", params={"wait_ms": "2000"}) as r:
+            assert r.status == 200 and (await r.json())["results"] == []
+        assert time.monotonic() - began >= 2.0
+        async with http.get("/health") as r:  # the same kept-alive connection or a new one
+            assert r.status == 200
