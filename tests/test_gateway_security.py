@@ -223,3 +223,26 @@ async def test_the_header_timeout_spares_slow_handlers(make_gateway, policy):
         assert time.monotonic() - began >= 2.0
         async with http.get("/health") as r:  # the same kept-alive connection or a new one
             assert r.status == 200
+
+
+# --- 6. sampling.extra reaches vLLM's SamplingParams: only an allow-list does ----------------
+
+@pytest.mark.parametrize("extra, field, message", [
+    ({"prompt_logprobs": -1}, "sampling.extra.prompt_logprobs", "not allowed"),
+    ({"logit_bias": {"1": 100}}, "sampling.extra.logit_bias", "not allowed"),
+    ({"extra_args": {"x": 1}}, "sampling.extra.extra_args", "not allowed"),
+    ({"ignore_eos": 1}, "sampling.extra.ignore_eos", "must be a bool"),
+    ({"min_tokens": 9}, "sampling.extra.min_tokens", "between 0 and max_tokens=8"),
+])
+async def test_sampling_extra_takes_only_allowed_keys(make_gateway, policy, extra, field, message):
+    gw = await make_gateway()
+    jobs = f"/v1/policies/{policy}/jobs"
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
+        body = {"prompts": [[1]], "sampling": {"max_tokens": 8, "extra": extra}}
+        async with http.post(jobs, json=body) as r:
+            assert r.status == 400, await r.text()
+            error = (await r.json())["error"]
+        assert error["field"] == field and message in error["message"]
+        fine = {"max_tokens": 8, "extra": {"ignore_eos": True, "min_tokens": 8, "skip_special_tokens": False}}
+        async with http.post(jobs, json={"prompts": [[1]], "sampling": fine}) as r:
+            assert r.status == 201, await r.text()
