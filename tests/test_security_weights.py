@@ -167,7 +167,9 @@ HOSTILE = {
     "huge product of small dims": ({"w": {"dtype": "F32", "shape": [2**31] * 30, "data_offsets": [0, 4]}},
                                    "shape"),
     "duplicate names": (b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
-                        b'"w":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}', "duplicate"),
+                        b'"w":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}', "repeats the key 'w'"),
+    "duplicate field": (b'{"w":{"dtype":"I32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+                        "repeats the key 'dtype'"),
     "bool dim": ({"w": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, "shape"),
     "bool offset": ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [False, 4]}}, "data_offsets"),
     "negative dim": ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, "shape"),

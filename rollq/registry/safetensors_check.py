@@ -51,15 +51,16 @@ def not_regular(name: str, mode: int) -> WeightError:
     return WeightError(f"{name}: is not a regular file ({kind})")
 
 
-def open_regular(path: Path, follow_symlinks: bool = False, dir_fd: int | None = None) -> int:
+def open_regular(path: Path, follow_symlinks: bool = False) -> int:
     """A file descriptor of a regular file, never blocking: O_NONBLOCK keeps a FIFO swapped in
     after any check from holding the thread, O_NOFOLLOW refuses a link swapped in."""
     flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, flags, dir_fd=dir_fd)
+        fd = os.open(path, flags)
     except OSError as e:
-        mode = os.lstat(path, dir_fd=dir_fd).st_mode if e.errno == errno.ELOOP else None
-        raise (not_regular(path.name, mode) if mode else WeightError(f"{path.name}: {e.strerror}")) from None
+        if e.errno == errno.ELOOP and not follow_symlinks:
+            raise not_regular(path.name, stat.S_IFLNK) from None
+        raise WeightError(f"{path.name}: {e.strerror}") from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -94,7 +95,7 @@ def check_header_of(f, name: str) -> Schema:
         raise WeightError(f"{name}: header is not a safetensors header ({_explain(raw) or e})") from None
     except msgspec.DecodeError as e:
         raise WeightError(f"{name}: header is not a safetensors header ({e})") from None
-    _refuse_duplicates(name, raw, len(header))
+    _refuse_duplicates(name, raw)
     return _check_entries(name, header, size, size - 8 - length)
 
 
@@ -117,14 +118,17 @@ def _explain(raw: bytes) -> str | None:
     return None
 
 
-def _refuse_duplicates(name: str, raw: bytes, unique: int) -> None:
-    """A repeated tensor name: loaders disagree on which one wins, so refuse it. Safe to parse
-    with json now: the typed decode bounded depth and integer sizes."""
-    keys = json.loads(raw, object_pairs_hook=lambda pairs: [k for k, _ in pairs])
-    if len(keys) != unique:
-        seen: set[str] = set()
-        dup = next(k for k in keys if k in seen or seen.add(k))
-        raise WeightError(f"{name}: header has a duplicate tensor name {dup!r}")
+def _refuse_duplicates(name: str, raw: bytes) -> None:
+    """A repeated key (a tensor name, or `dtype` inside one): loaders disagree on which one wins,
+    so refuse it. Safe to parse with json now: the typed decode bounded depth and integers."""
+
+    def check(pairs: list[tuple[str, object]]) -> None:
+        if len(pairs) != len({k for k, _ in pairs}):
+            seen: set[str] = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise WeightError(f"{name}: header repeats the key {dup[:64]!r}")
+
+    json.loads(raw, object_pairs_hook=check)
 
 
 def _check_entries(file: str, header: dict, size: int, data_bytes: int) -> Schema:
