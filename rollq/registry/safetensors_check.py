@@ -31,8 +31,8 @@ Schema = dict[str, tuple[str, tuple[int, ...]]]
 """Tensor name -> (dtype, shape)."""
 
 # The header's only shape: {name: {key: str | [int, ...]}}. Decoding into this type bounds the
-# nesting depth (3), refuses bools, floats and integers beyond 64 bits before any Python int is
-# built, so no forged header reaches json's recursion or int parsing.
+# nesting depth (3) and refuses bools, floats, NaN and integers over Python's 4,300 digits, so
+# no forged header reaches json's recursion or an unbounded int; the header cap bounds the rest.
 _HEADER = msgspec.json.Decoder(dict[str, dict[str, str | list[int]]])
 _TENSOR_KEYS = {"dtype", "shape", "data_offsets"}
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
