@@ -178,12 +178,19 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
 @click.option("--weight-store", envvar="ROLLQ_WEIGHT_STORE", default=None,
               help="Where published copies go [default: ~/.cache/rollq/weights].")
 @click.option("--weight-root", "weight_roots", multiple=True,
-              help="Directories that may be published by path (default: the weight store).")
+              help="Roots to publish by path from: policy P may publish only under ROOT/P/ "
+                   "(default root: the weight store).")
 @click.option("--tokenizer", envvar="ROLLQ_TOKENIZER", default=None,
               help="Local tokenizer directory: text prompts and completion text.")
 @click.option("--max-body-bytes", envvar="ROLLQ_MAX_BODY_BYTES", default=64 * 1024 * 1024, show_default=True)
 @click.option("--require-durable", is_flag=True, envvar="ROLLQ_REQUIRE_DURABLE",
               help="Refuse a Redis without AOF or with an evicting maxmemory-policy (else: warn).")
+@click.option("--header-timeout-s", envvar="ROLLQ_GATEWAY_HEADER_TIMEOUT_S", default=15.0, show_default=True,
+              help="Close a connection that has not sent a request head within this (also idle keep-alive).")
+@click.option("--body-timeout-s", envvar="ROLLQ_GATEWAY_BODY_TIMEOUT_S", default=60.0, show_default=True,
+              help="A request body that takes longer to arrive gets a 408.")
+@click.option("--max-connections", envvar="ROLLQ_GATEWAY_MAX_CONNECTIONS", default=1024, show_default=True,
+              help="Connections beyond this get a 503 and are closed.")
 def gateway(policies: tuple[str, ...], weight_store: str | None, weight_roots: tuple[str, ...],
             **flags) -> None:
     """HTTP API, OpenAI-compatible completions, /metrics and the live dashboard."""

@@ -40,7 +40,8 @@ MAX_ID_CHARS = 128
 """`job_id`, `trainer_id`, policy names."""
 MAX_RESULT_BYTES = 512 * 1024 * 1024
 
-ID_PATTERN = re.compile(r"^[A-Za-z0-9._\-]+$")
+ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
+"""Matched with fullmatch: `$` would also match before a trailing newline."""
 
 Status = Literal["ok", "failed", "expired", "cancelled"]
 
@@ -269,8 +270,10 @@ def check_id(field: str, value: Any) -> str:
         raise InvalidInput(field, f"must be a non-empty string, got {value!r}")
     if len(value) > MAX_ID_CHARS:
         raise InvalidInput(field, f"is {len(value)} characters; the limit is {MAX_ID_CHARS}")
-    if not ID_PATTERN.match(value):
+    if not ID_PATTERN.fullmatch(value):
         raise InvalidInput(field, f"{value!r} may contain only letters, digits, '.', '_' and '-'")
+    if not value.strip("."):  # ids name directories and keys: `.` and `..` are paths, not names
+        raise InvalidInput(field, f"{value!r} is only dots; use a letter, digit, '_' or '-' too")
     return value
 
 
@@ -302,6 +305,28 @@ def _check_range(field: str, value: float, lo: float, hi: float) -> None:
         raise InvalidInput(field, f"{field}={value} is out of range [{lo}, {hi}]")
 
 
+SAMPLING_EXTRA: dict[str, type] = {
+    "ignore_eos": bool, "min_tokens": int, "skip_special_tokens": bool,
+    "spaces_between_special_tokens": bool, "include_stop_str_in_output": bool,
+}
+"""What `sampling.extra` may pass on to vLLM's SamplingParams: cheap, bounded switches. Others are
+refused, e.g. `prompt_logprobs` (a vocabulary of floats per prompt token), `logit_bias`,
+`allowed_token_ids`, `extra_args` (read by custom logits processors)."""
+
+
+def validate_extra(extra: dict[str, Any], max_tokens: int, field: str = "sampling.extra") -> None:
+    for key, value in extra.items():
+        kind = SAMPLING_EXTRA.get(key)
+        if kind is None:
+            raise InvalidInput(f"{field}.{key}"[:200], f"is not allowed; {field} takes only "
+                                                       f"{sorted(SAMPLING_EXTRA)}")
+        if type(value) is not kind:  # `type`: a bool is an int, and 1 is not a bool
+            raise InvalidInput(f"{field}.{key}", f"must be a {kind.__name__}, got {value!r}"[:200])
+    if not 0 <= extra.get("min_tokens", 0) <= max_tokens:
+        raise InvalidInput(f"{field}.min_tokens", f"min_tokens={extra['min_tokens']} must be between 0 "
+                                                  f"and max_tokens={max_tokens}")
+
+
 def validate_sampling(s: Sampling, n: int, field: str = "sampling") -> None:
     _check_range(f"{field}.temperature", s.temperature, 0.0, 100.0)
     if not 0.0 < s.top_p <= 1.0:
@@ -330,6 +355,7 @@ def validate_sampling(s: Sampling, n: int, field: str = "sampling") -> None:
                            f"logprobs={s.logprobs} must be between 0 and {MAX_TOP_LOGPROBS}")
     if s.seed is not None and not 0 <= s.seed < 2**63:
         raise InvalidInput(f"{field}.seed", f"seed={s.seed} must be in [0, 2**63)")
+    validate_extra(s.extra, s.max_tokens, f"{field}.extra")
 
 
 def validate_prompt(prompt: bytes, field: str = "prompt") -> None:

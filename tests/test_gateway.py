@@ -130,8 +130,8 @@ async def test_publish_and_list_versions(make_gateway, policy, tmp_path):
     import torch
 
     gw = await make_gateway()
-    inside = gw.weight_root / "v3"
-    inside.mkdir()
+    inside = gw.weight_root / policy / "v3"  # weight roots are per policy
+    inside.mkdir(parents=True)
     save_file({"w": torch.ones(4)}, inside / "model.safetensors")
     outside = tmp_path / "elsewhere"
     outside.mkdir()

@@ -19,9 +19,11 @@ from rollq.gateway.http import JSON, ApiError, read_body, reply
 from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch,
                                   SubmitRequest, Submitted, VersionList, result_view, version_view)
 from rollq.gateway.state import GATEWAY, Gateway
+from rollq.protocol import InvalidInput
 from rollq.queue import jobs
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
+from rollq.registry.safetensors_check import WeightError
 from rollq.registry.versions import Registry, VersionConflict
 from rollq.status import policies, policy_status
 
@@ -135,18 +137,47 @@ async def list_versions(request: web.Request) -> web.Response:
     return reply(request, VersionList(await registry.latest(), [version_view(e) for e in entries]))
 
 
+PUBLISHING = web.AppKey("publishing", asyncio.Semaphore)
+"""Publishes at once: each holds a thread of the default executor while it hashes, which static
+files and tokenizers need too."""
+
+
+def publishable(gw: Gateway, policy: str, raw: str) -> Path:
+    """The directory to publish, if it lies under this policy's subtree of a weight root.
+
+    Roots are per policy (`<root>/<policy>/`; the default root is the weight store, so
+    `<store>/<policy>/`): a token for one policy cannot register another policy's files."""
+    if not Path(raw).is_absolute():
+        raise ApiError(400, f"path {raw[:200]!r} must be absolute", "path")
+    try:
+        path = Path(raw).resolve()
+    except (OSError, ValueError, RuntimeError) as e:  # NUL byte, link loop, ...
+        raise ApiError(400, f"path {raw[:200]!r} cannot be resolved: {e}", "path") from None
+    store = Path(gw.settings.weight_store).resolve()
+    if path.is_relative_to(store) and path != store:
+        owner = path.relative_to(store).parts[0]
+        if owner != policy:
+            raise ApiError(403, f"{path} is in the weight store of policy {owner!r}; a token of "
+                                f"policy {policy!r} may publish only from {store / policy}", "path")
+    roots = [root / policy for root in gw.settings.weight_roots]
+    if not any(path.is_relative_to(root) for root in roots):
+        raise ApiError(403, f"{path} is outside the weight roots of policy {policy!r} "
+                            f"({', '.join(map(str, roots))})", "path")
+    return path
+
+
 async def publish_version(request: web.Request) -> web.Response:
     gw, policy, who = _context(request)
     body = await read_body(request, PublishRequest)
-    path = Path(body.path).resolve()
-    if not any(path.is_relative_to(root) for root in gw.settings.weight_roots):
-        roots = ", ".join(map(str, gw.settings.weight_roots))
-        raise ApiError(403, f"{path} is outside the gateway's weight roots ({roots})", "path")
+    path = publishable(gw, policy, body.path)
     try:
-        entry = await gw.client(policy, who.trainer).publish_weights(body.version, path, copy=body.copy,
-                                                                     keep=body.keep)
+        async with request.app[PUBLISHING]:
+            entry = await gw.client(policy, who.trainer).publish_weights(
+                body.version, path, copy=body.copy, keep=body.keep)
     except VersionConflict as e:
         raise ApiError(409, str(e), "version") from None
+    except (WeightError, InvalidInput) as e:  # the files, named by the message
+        raise ApiError(400, f"{path}: {e}", "path") from None
     return reply(request, version_view(entry), status=201)
 
 

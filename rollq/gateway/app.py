@@ -7,6 +7,7 @@ so the two cannot disagree.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from aiohttp import web
 
 from rollq.gateway import api
 from rollq.gateway.completions import CompletionRequest
-from rollq.gateway.http import ApiError, errors
+from rollq.gateway.http import BODY_TIMEOUT, ApiError, errors
 from rollq.gateway.openapi import Param, openapi_document
 from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch, SubmitRequest,
                                   Submitted, VersionList, VersionView)
@@ -109,6 +110,8 @@ ROUTES = [
 ]
 
 OPENAPI = web.AppKey("openapi", dict)
+MAX_PUBLISHING = 2
+"""Concurrent publishes; more wait their turn without holding a thread."""
 
 
 @web.middleware
@@ -139,6 +142,8 @@ def make_app(settings: GatewaySettings, redis=None, tokenizer: Any | None = None
     app = web.Application(middlewares=[count_requests, errors], client_max_size=settings.max_body_bytes)
     app[GATEWAY] = Gateway(settings, redis if redis is not None else connect(settings.redis_url), tokenizer)
     app[OPENAPI] = openapi_document(ROUTES)
+    app[api.PUBLISHING] = asyncio.Semaphore(MAX_PUBLISHING)
+    app[BODY_TIMEOUT] = settings.body_timeout_s
     for route in ROUTES:
         app.router.add_route(route.method, route.path, _guarded(route, settings))
 
@@ -159,13 +164,53 @@ def load_tokenizer(path: str | None) -> Any | None:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+_BUSY_BODY = b'{"error":{"message":"the gateway is at its connection limit; retry later",' \
+             b'"type":"server_error","field":null,"param":null,"code":503}}'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
+class _TurnAway(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(_BUSY)  # type: ignore[attr-defined]
+        transport.close()
+
+
+class CappedSite(web.TCPSite):
+    """A TCPSite that answers connections beyond `max_connections` with a 503 and closes them:
+    each open connection costs a handler, buffers and a timer, and aiohttp has no cap of its own.
+    Connections accepted in one burst are counted once they start, so a burst may overshoot."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, max_connections: int):
+        super().__init__(runner, host, port)
+        self.max_connections = max_connections
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site; TCPSite.start would bind uncapped
+        server = self._runner.server
+        assert server is not None
+
+        def protocol() -> asyncio.Protocol:
+            return _TurnAway() if len(server.connections) >= self.max_connections else server()
+
+        self._server = await asyncio.get_running_loop().create_server(
+            protocol, self._host, self._port, backlog=self._backlog)
+
+
+LINGER_S = 2.0
+"""After an error reply to a request whose body was not read, how long unread bytes are drained
+(so the client sees the reply) before the connection closes."""
+
+
 async def start_gateway(settings: GatewaySettings, redis=None, tokenizer: Any | None = None
                         ) -> tuple[web.AppRunner, int]:
     """Serve until the runner is cleaned up; returns it and the bound port (for `port=0`)."""
+    # keepalive_timeout also bounds the wait for a new connection's first request head.
     runner = web.AppRunner(make_app(settings, redis, tokenizer), handler_cancellation=True,
-                           access_log=None)
+                           access_log=None, keepalive_timeout=settings.header_timeout_s,
+                           lingering_time=LINGER_S)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
+    site = CappedSite(runner, settings.host, settings.port, settings.max_connections)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     log.info("gateway on http://%s:%d (dashboard at /, API docs at /openapi.json)", settings.host, port)

@@ -6,6 +6,7 @@ Every error a caller can cause leaves here as `{"error": {"message", "type", "fi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from typing import Any, TypeVar
@@ -24,7 +25,7 @@ T = TypeVar("T")
 log = logging.getLogger("rollq.gateway")
 
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 409: "conflict_error", 413: "request_too_large",
+          404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "request_too_large",
           415: "invalid_request_error", 429: "rate_limit_error", 504: "timeout_error"}
 
 
@@ -44,10 +45,18 @@ def error_response(status: int, message: str, field: str | None = None,
 _PATH = re.compile(r"`\$\.?([^`]*)`")
 
 
+BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
+
+
 async def read_body(request: web.Request, cls: type[T]) -> T:
     """The request body decoded into `cls`; 400 naming the field when it does not fit."""
     kind = request.content_type
-    data = await request.read()
+    limit = request.app[BODY_TIMEOUT]
+    try:  # a client trickling its body would otherwise hold the connection for good
+        async with asyncio.timeout(limit):
+            data = await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the request body took longer than {limit} s to arrive") from None
     if not data:
         raise ApiError(400, "the request has no body; send a JSON object")
     try:
@@ -61,6 +70,10 @@ async def read_body(request: web.Request, cls: type[T]) -> T:
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the body is not valid {'msgpack' if kind in _MSGPACK_TYPES else 'JSON'}: {e}") \
             from None
+    except RecursionError:  # free-form fields (`meta`, `sampling.extra`) decode to any depth
+        raise ApiError(400, "the body is nested too deeply (arrays and objects inside each other "
+                            "beyond the decoder's limit of about 1000 levels); flatten meta and "
+                            "sampling.extra") from None
     raise ApiError(415, f"Content-Type {kind!r} is not supported; send {JSON} or {MSGPACK}")
 
 

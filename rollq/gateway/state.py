@@ -47,7 +47,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     """Names this gateway's completions trainers; give each of several gateways its own."""
     weight_store: str = msgspec.field(default_factory=_default_store)
     weight_roots: list[Path] = []
-    """Directories whose subdirectories may be published by path (default: the weight store)."""
+    """Directories whose `<root>/<policy>/` subtree that policy may publish by path (default: the
+    weight store, so `<store>/<policy>/`); another policy's store subtree is always refused."""
     tokenizer: str | None = None
     """A local tokenizer directory: text prompts are tokenized here and completions get text."""
     max_body_bytes: int = 64 * 1024 * 1024
@@ -55,6 +56,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     """Quota of unfinished groups per trainer submitting through the gateway."""
     require_durable: bool = False
     """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
+    header_timeout_s: float = 15.0
+    """A connection that has not sent a whole request head (or the next one, kept alive) by then
+    is closed: a slow or silent client holds a socket for this long at most."""
+    body_timeout_s: float = 60.0
+    """Reading a request body longer than this ends in a 408."""
+    max_connections: int = 1024
+    """Connections beyond this are answered 503 and closed at once."""
 
     def validate(self) -> GatewaySettings:
         if self.tokens is None and not self.no_auth:
@@ -68,6 +76,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
             raise InvalidInput("port", f"port={self.port} is out of range [0, 65535]")
         if not 1024 <= self.max_body_bytes <= 2**31:
             raise InvalidInput("max_body_bytes", f"{self.max_body_bytes} is out of range [1024, 2**31]")
+        for name, lo, hi in (("header_timeout_s", 0.1, 3600), ("body_timeout_s", 0.1, 3600),
+                             ("max_connections", 1, 1_000_000)):
+            if not lo <= getattr(self, name) <= hi:
+                raise InvalidInput(name, f"{name}={getattr(self, name)} is out of range [{lo}, {hi}]")
         self.weight_roots = [Path(p).resolve() for p in (self.weight_roots or [self.weight_store])]
         return self
 

@@ -12,13 +12,14 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from rollq.protocol import FileDigest
-from rollq.registry.safetensors_check import WeightError, check_header
+from rollq.protocol import FileDigest, check_id
+from rollq.registry.safetensors_check import WeightError, check_header_of, not_regular, open_regular
 
 COMMIT_MARKER = "COMMITTED"
 UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".npy", ".npz")
@@ -27,10 +28,15 @@ _CHUNK = 8 * 1024 * 1024
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
+        return _sha256_of(f)
+
+
+def _sha256_of(f) -> str:
+    digest = hashlib.sha256()
+    f.seek(0)
+    while chunk := f.read(_CHUNK):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -53,21 +59,39 @@ def refuse_unsafe(path: Path) -> None:
             raise WeightError(f"{f.name}: pickle-based weight files are refused; use safetensors")
 
 
+def refuse_links(path: Path) -> None:
+    """Every entry must be a regular file or a directory (which is not read): a link could point
+    outside every weight root, a FIFO or device would block or feed endless bytes to a reader.
+    lstat only: nothing is opened here."""
+    with os.scandir(path) as entries:
+        for entry in entries:
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode) and not entry.name.endswith(".safetensors"):
+                continue
+            if not stat.S_ISREG(mode):
+                raise not_regular(entry.name, mode)
+
+
 def weight_files(path: Path) -> list[Path]:
     refuse_unsafe(path)
+    refuse_links(path)
     files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
     if not files:
         raise WeightError(f"{path}: no .safetensors files")
     return files
 
 
+def _digest(f: Path) -> FileDigest:
+    """Header, hash and size read through one descriptor (no link followed), so all three
+    describe the same file even if its name is replaced meanwhile."""
+    with os.fdopen(open_regular(f), "rb") as fh:
+        check_header_of(fh, f.name)
+        return FileDigest(f.name, _sha256_of(fh), os.fstat(fh.fileno()).st_size)
+
+
 def digest_dir(path: Path) -> list[FileDigest]:
     """Hash the safetensors files of a directory in place (publish by reference)."""
-    out = []
-    for f in weight_files(path):
-        check_header(f)
-        out.append(FileDigest(f.name, sha256_file(f), f.stat().st_size))
-    return out
+    return [_digest(f) for f in weight_files(path)]
 
 
 class WeightStore:
@@ -76,7 +100,7 @@ class WeightStore:
 
     def _write(self, policy: str, version: int, fill) -> tuple[Path, list[FileDigest]]:
         """`fill(tmp_dir)` writes the safetensors files; the rest makes them a committed version."""
-        parent = self.root / policy
+        parent = self._policy_dir(policy)
         parent.mkdir(parents=True, exist_ok=True)
         name = f"v{version:010d}-{uuid.uuid4().hex[:8]}"
         tmp = parent / f".tmp-{name}"
@@ -85,9 +109,8 @@ class WeightStore:
             fill(tmp)
             files = []
             for f in weight_files(tmp):
-                check_header(f)
                 _fsync_file(f)
-                files.append(FileDigest(f.name, sha256_file(f), f.stat().st_size))
+                files.append(_digest(f))
             manifest = {"version": version, "files": [[d.name, d.sha256, d.bytes] for d in files],
                         "committed_at": time.time()}
             marker = tmp / COMMIT_MARKER
@@ -102,6 +125,15 @@ class WeightStore:
             raise
         return final, files
 
+    def _policy_dir(self, policy: str) -> Path:
+        """`<root>/<policy>`, refused unless it resolves to exactly that: whatever a caller passes
+        (`..`, a link planted in the store), nothing is written outside the root."""
+        check_id("policy", policy)
+        parent = (self.root / policy).resolve()
+        if parent.parent != self.root:
+            raise WeightError(f"policy {policy!r}: {parent} is not a directory of the store at {self.root}")
+        return parent
+
     def write_tensors(self, policy: str, version: int,
                       tensors: dict[str, Any]) -> tuple[Path, list[FileDigest]]:
         from safetensors.torch import save_file
@@ -115,8 +147,9 @@ class WeightStore:
         files = weight_files(source)
 
         def fill(tmp: Path) -> None:
-            for f in files:
-                shutil.copyfile(f, tmp / f.name)
+            for f in files:  # opened without following links: the name may have changed since
+                with os.fdopen(open_regular(f), "rb") as src, open(tmp / f.name, "xb") as dst:
+                    shutil.copyfileobj(src, dst, _CHUNK)
 
         return self._write(policy, version, fill)
 
@@ -131,23 +164,27 @@ class WeightStore:
 
 
 def verify(path: str | Path, files: list[FileDigest]) -> None:
-    """Before a worker loads a version: exactly the registered files, sizes, hashes, headers."""
+    """Before a worker loads a version: exactly the registered files, sizes, hashes, headers.
+
+    Size and sha256 come first: a file that matches its registry entry is the one the
+    publisher's checks accepted, so a swapped-in header bomb is never parsed."""
     path = Path(path)
-    if not path.is_dir():
-        raise WeightError(f"{path}: version directory is missing")
+    if path.is_symlink() or not path.is_dir():
+        raise WeightError(f"{path}: version directory is missing or a symbolic link")
     refuse_unsafe(path)
+    refuse_links(path)
     present = {p.name for p in path.iterdir() if p.suffix == ".safetensors"}
     expected = {d.name for d in files}
     if present != expected:
         raise WeightError(f"{path}: safetensors files {sorted(present)} differ from the registered "
                           f"{sorted(expected)}")
     for d in files:
-        f = path / d.name
-        size = f.stat().st_size
-        if size != d.bytes:
-            raise WeightError(f"{d.name}: {size} bytes, registered {d.bytes} (truncated or replaced)")
-        check_header(f)
-        actual = sha256_file(f)
-        if actual != d.sha256:
-            raise WeightError(f"{d.name}: sha256 {actual[:12]}… does not match the registered "
-                              f"{d.sha256[:12]}… (corrupted or replaced)")
+        with os.fdopen(open_regular(path / d.name), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != d.bytes:
+                raise WeightError(f"{d.name}: {size} bytes, registered {d.bytes} (truncated or replaced)")
+            actual = _sha256_of(f)
+            if actual != d.sha256:
+                raise WeightError(f"{d.name}: sha256 {actual[:12]}… does not match the registered "
+                                  f"{d.sha256[:12]}… (corrupted or replaced)")
+            check_header_of(f, d.name)
