@@ -23,13 +23,14 @@ class RunningGateway:
 
 def write_tokens(path: Path, policy: str) -> dict[str, str]:
     """alice and bob may use the test's policy, alice may also publish and observe; mallory may
-    use only another policy."""
+    use (and publish to) only another policy."""
     tokens = {name: secrets.token_hex(16) for name in ("alice", "bob", "mallory")}
     path.write_text(json.dumps({
         tokens["alice"]: {"trainer": "alice", "policies": [policy],
                           "scopes": ["rollouts", "publish", "observe"]},
         tokens["bob"]: {"trainer": "bob", "policies": [policy]},
-        tokens["mallory"]: {"trainer": "mallory", "policies": ["elsewhere"]},
+        tokens["mallory"]: {"trainer": "mallory", "policies": ["elsewhere"],
+                            "scopes": ["rollouts", "publish"]},
     }))
     return tokens
 
