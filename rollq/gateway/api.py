@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -114,15 +115,22 @@ async def stream_results(request: web.Request) -> web.StreamResponse:
             await reader.ack([e for e, _ in entries])
 
 
+_RESULT_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+"""A stream entry id as Redis writes it; ASCII digits only (str.isdigit also takes '١' and '²')."""
+MAX_ACK_IDS = 10_000
+
+
 async def ack_results(request: web.Request) -> web.Response:
+    """Acknowledge results by id: each one read and not acknowledged yet leaves the stream and the
+    quota; any other id (never read, acknowledged already) is left alone and not counted."""
     gw, policy, who = _context(request)
     body = await read_body(request, AckRequest)
-    if len(body.ids) > 10_000:
-        raise ApiError(400, f"{len(body.ids)} ids; the limit is 10000 per request", "ids")
+    if len(body.ids) > MAX_ACK_IDS:
+        raise ApiError(400, f"{len(body.ids)} ids; the limit is {MAX_ACK_IDS} per request", "ids")
     for i, entry_id in enumerate(body.ids):
-        ms, _, seq = entry_id.partition("-")
-        if not (ms.isdigit() and seq.isdigit()):
-            raise ApiError(400, f"{entry_id!r} is not a result id like '1700000000000-0'", f"ids[{i}]")
+        if not _RESULT_ID.fullmatch(entry_id):
+            raise ApiError(400, f"ids[{i}]={entry_id[:40]!r} is not a result id like "
+                                "'1700000000000-0' (the `id` of a result)", f"ids[{i}]")
     return reply(request, Acked(await gw.reader(policy, who.trainer).ack(body.ids)))
 
 
