@@ -96,10 +96,15 @@ async def results(request: web.Request) -> web.Response:
 
 async def stream_results(request: web.Request) -> web.StreamResponse:
     """Server-Sent Events, one `result` event per group; unacknowledged results of earlier
-    connections come first. `?ack=auto` acknowledges each batch once it is written."""
+    connections come first. `ack=manual` (default, at least once): acknowledge with POST
+    .../results/ack. `ack=auto` (at most once): each batch is acknowledged once it is written to
+    the socket, so a client that disconnects loses what it had not received (reliability.md)."""
     gw, policy, who = _context(request)
     batch = _int_query(request, "batch", 64, 1, 1024)
-    auto_ack = request.query.get("ack") == "auto"
+    mode = request.query.get("ack", "manual")
+    if mode not in ("auto", "manual"):
+        raise ApiError(400, f"ack={mode[:20]!r} must be 'auto' or 'manual'", "ack")
+    auto_ack = mode == "auto"
     reader = gw.reader(policy, who.trainer)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
