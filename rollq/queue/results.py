@@ -137,7 +137,8 @@ class ResultReader:
         if len(pending) < 10_000:
             self._handed &= ids  # the rest were acknowledged elsewhere (another connection)
         return any(p["time_since_delivered"] >= ORPHAN_CHECK_S * 1000
-                   and p["message_id"].decode() not in self._handed for p in pending)
+                   and p["message_id"].decode() not in self._handed
+                   and p["message_id"].decode() not in self._unhanded for p in pending)
 
     async def ack(self, entry_ids: list[str]) -> int:
         """Acknowledge results by id; returns how many were pending (ids never read, or
