@@ -7,10 +7,12 @@ import asyncio
 import contextlib
 import threading
 
+import pytest
 from helpers import wait_until
 
 from rollq.client import SyncRolloutClient
 from rollq.engine.instant import InstantEngine
+from rollq.protocol import GroupResult, InvalidInput
 from rollq.queue.connection import connect
 from rollq.queue.keys import TRAINER_GROUP, Keys
 from rollq.queue.results import ResultReader
@@ -136,3 +138,12 @@ async def test_auto_acknowledges_a_batch_when_the_next_is_asked_for(make_client,
     restarted = await make_client().take(6, timeout_s=5, ack="manual")
     assert sorted(r.group_index for r in restarted) == sorted(r.group_index for r in second)
     assert not {r.group_index for r in first} & {r.group_index for r in second}
+
+
+async def test_ack_mode_and_ack_arguments_are_checked(make_client):
+    client = make_client()
+    with pytest.raises(InvalidInput, match="ack='later' must be 'auto' or 'manual'"):
+        await client.take(1, timeout_s=0.1, ack="later")
+    with pytest.raises(InvalidInput, match="without entry_id"):
+        await client.ack([GroupResult("j", 0, "ok")])  # made by hand, never read
+    assert await client.ack() == 0 and await client.ack(["1-0"]) == 0
