@@ -169,7 +169,7 @@ async def train(client: RolloutClient, trainer: GRPOTrainer, *, steps: int, grou
     async def take_batch(jobs: set[str]) -> list[GroupResult]:
         """All groups of one step's batch; later batches' early results wait their turn."""
         while sum(len(arrived.get(j, [])) for j in jobs) < groups:
-            for result in await client.take(groups, timeout_s=1.0):
+            for result in await client.take(groups, timeout_s=1.0, ack="manual"):
                 arrived.setdefault(result.job_id, []).append(result)
         return [r for j in jobs for r in arrived.pop(j, [])]
 
@@ -187,6 +187,7 @@ async def train(client: RolloutClient, trainer: GRPOTrainer, *, steps: int, grou
         trained = time.monotonic()
         mean_reward = await asyncio.to_thread(trainer.update, batch)
         trained = time.monotonic() - trained
+        await client.ack(batch)  # after the step that used them: a crash before it loses nothing
         version += 1
         await client.publish_weights(version, trainer.model.state_dict(), keep=staleness + 3)
         if step + ahead < steps:

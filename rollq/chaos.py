@@ -2,10 +2,14 @@
 worker processes while a trainer submits, reads and publishes; then count what came back.
 
 Faults: worker SIGKILL (a replacement starts), worker SIGSTOP for a few seconds, Redis SIGKILL
-and restart (AOF, fsync always), killed client connections. Every `publish_every_s` the trainer
-publishes a new weight version, which the workers swap to. At the end every acknowledged group
-must have exactly one terminal result: the summary says submitted / delivered / duplicated /
-lost, and the exit code is non-zero on any loss or duplicate.
+and restart (AOF, fsync always), killed client connections, and trainer SIGKILL (restarted with
+the same trainer id). The results are read by a trainer process (`rollq/chaos_trainer.py`) that
+breaks out of `results()` at random, commits what it trained on to a log (fsync) and only then
+acknowledges. Every `publish_every_s` the runner publishes a new weight version, which the
+workers swap to. At the end every acknowledged submit's groups must be in the trainer's
+committed log exactly once, and the quota must not drift (`outstanding` equals the results not
+acknowledged): the summary says submitted / delivered / duplicated / lost / quota drift, and the
+exit code is non-zero on any of them.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ import msgspec
 from redis.exceptions import RedisError
 from rich.console import Console
 
+from rollq.chaos_trainer import POLICY
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
 from rollq.queue.connection import connect
 from rollq.worker.pool import reap_group
 
-POLICY = "chaos"
+FAULTS = ("worker_sigkill", "worker_sigstop", "redis_restart", "client_kill", "trainer_sigkill")
 console = Console()
 
 
@@ -57,10 +62,14 @@ class Summary(msgspec.Struct):
     statuses: dict[str, int]
     faults: dict[str, int]
     versions_published: int
+    quota_drift: int = 0
+    """`outstanding` minus the results left unacknowledged in the stream, at the end."""
+    trainer_exits: int = 0
+    """Times the trainer process ended without being killed (restarted; its log says why)."""
 
     @property
     def ok(self) -> bool:
-        return self.lost == 0 and self.duplicated == 0
+        return self.lost == 0 and self.duplicated == 0 and self.quota_drift == 0
 
 
 @dataclass
@@ -73,10 +82,52 @@ class _Run:
     acknowledged: dict[str, int] = field(default_factory=dict)
     """job id -> groups, for every submit that returned."""
     seen: Counter = field(default_factory=Counter)
+    """(job, group) -> times in the trainer's committed log."""
+    doubled: set = field(default_factory=set)
+    """(job, group) the trainer was handed twice in one life, or again after acknowledging it."""
     statuses: Counter = field(default_factory=Counter)
     faults: Counter = field(default_factory=Counter)
     versions: int = 0
     spawned: int = 0
+    trainer: subprocess.Popen | None = None
+    trainer_exits: int = 0
+    log_offset: int = 0
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "trained.log"
+
+    def spawn_trainer(self) -> None:
+        self.spawned += 1
+        out = open(self.workdir / f"trainer-{self.spawned}.log", "w")  # noqa: SIM115 (child keeps it)
+        self.trainer = subprocess.Popen(
+            [sys.executable, "-m", "rollq.chaos_trainer", self.redis.url, str(self.log),
+             str(self.rng.randrange(2**31))], stdout=out, stderr=subprocess.STDOUT)
+        out.close()
+
+    def kill_trainer(self) -> None:
+        self.trainer.kill()
+        self.trainer.wait()
+
+    def read_log(self) -> None:
+        """Count the trainer's newly committed lines (complete lines only: a kill can tear one)."""
+        if not self.log.exists():
+            return
+        with open(self.log, "rb") as f:
+            f.seek(self.log_offset)
+            data = f.read()
+        data = data[:data.rfind(b"\n") + 1]
+        self.log_offset += len(data)
+        for line in data.decode().splitlines():
+            kind, *items = line.split()
+            if kind == "step-break":
+                self.faults["results_break"] += 1
+            if kind.startswith("step"):
+                for job, group, status in (item.split("/") for item in items):
+                    self.seen[(job, int(group))] += 1
+                    self.statuses[status] += 1
+            elif kind == "dup":
+                self.doubled.update((job, int(group)) for job, group in (i.split("/") for i in items))
 
     def spawn_worker(self) -> None:
         self.spawned += 1
@@ -115,11 +166,15 @@ async def _submitter(run: _Run, client: RolloutClient, until: float) -> None:
         await asyncio.sleep(run.rng.uniform(0.0, 0.05))
 
 
-async def _reader(run: _Run, client: RolloutClient, done: asyncio.Event) -> None:
+async def _watch_trainer(run: _Run, done: asyncio.Event) -> None:
+    """Read the trainer's log as it grows; restart the trainer if it ended by itself."""
     while not done.is_set():
-        for r in await client.take(500, timeout_s=1.0):
-            run.seen[(r.job_id, r.group_index)] += 1
-            run.statuses[r.status] += 1
+        run.read_log()
+        if run.trainer.poll() is not None:
+            run.trainer_exits += 1
+            console.print(f"[yellow]trainer exited with {run.trainer.returncode}; restarting[/yellow]")
+            run.spawn_trainer()
+        await asyncio.sleep(0.5)
 
 
 async def _publisher(run: _Run, client: RolloutClient, until: float) -> None:
@@ -137,12 +192,19 @@ async def _publisher(run: _Run, client: RolloutClient, until: float) -> None:
 
 async def _faults(run: _Run, until: float) -> None:
     admin = connect(run.redis.url)
+    deck: list[str] = []
     try:
         while time.monotonic() < until:
             await asyncio.sleep(run.rng.uniform(1.0, 4.0))
-            kind = run.rng.choice(["worker_sigkill", "worker_sigstop", "redis_restart", "client_kill"])
+            if not deck:  # each kind once per round, in random order: short runs see every kind
+                deck = list(FAULTS)
+                run.rng.shuffle(deck)
+            kind = deck.pop()
             run.faults[kind] += 1
-            if kind == "worker_sigkill":
+            if kind == "trainer_sigkill":
+                run.kill_trainer()
+                run.spawn_trainer()
+            elif kind == "worker_sigkill":
                 victim = run.workers.pop(run.rng.randrange(len(run.workers)))
                 victim.kill()
                 victim.wait()
@@ -170,12 +232,13 @@ async def chaos(s: ChaosSettings) -> Summary:
         try:
             for _ in range(s.workers):
                 run.spawn_worker()
+            run.spawn_trainer()
             client = RolloutClient(run.redis.url, policy=POLICY, trainer_id="trainer",
                                    weight_store=str(workdir / "weights"), reconnect_s=120)
             until = time.monotonic() + s.minutes * 60
             done = asyncio.Event()
             console.print(f"chaos: {s.minutes:g} min, {s.workers} workers, seed {seed}")
-            reading = asyncio.create_task(_reader(run, client, done))
+            watching = asyncio.create_task(_watch_trainer(run, done))
             await asyncio.gather(_submitter(run, client, until), _publisher(run, client, until),
                                  _faults(run, until))
             expected = {(job, g) for job, groups in run.acknowledged.items() for g in range(groups)}
@@ -184,19 +247,33 @@ async def chaos(s: ChaosSettings) -> Summary:
                 await asyncio.sleep(0.5)
             await asyncio.sleep(3.0)  # a duplicate would show up now
             done.set()
-            await reading
+            await watching
+            run.kill_trainer()
+            run.read_log()
+            drift = await _quota_drift(client)
             await client.close()
             lost = sorted(expected - set(run.seen))
             if lost:
                 await _postmortem(run.redis.url, lost)
         finally:
+            if run.trainer is not None and run.trainer.poll() is None:
+                run.kill_trainer()
             run.stop_workers()
             run.redis.stop()
+    doubled = {k for k, c in run.seen.items() if c > 1} | run.doubled
     return Summary(
         minutes=s.minutes, seed=seed, submitted_jobs=len(run.acknowledged),
         submitted_groups=len(expected), delivered=len(expected & set(run.seen)),
-        duplicated=sum(1 for c in run.seen.values() if c > 1), lost=len(expected - set(run.seen)),
-        statuses=dict(run.statuses), faults=dict(run.faults), versions_published=run.versions)
+        duplicated=len(doubled), lost=len(expected - set(run.seen)), statuses=dict(run.statuses),
+        faults=dict(run.faults), versions_published=run.versions, quota_drift=drift,
+        trainer_exits=run.trainer_exits)
+
+
+async def _quota_drift(client: RolloutClient) -> int:
+    """`outstanding` minus the results still in the stream: every group is finished by now, so
+    the two must be equal (an acknowledgement that missed its DECRBY, or counted twice, is drift)."""
+    unacked = await client.redis.xlen(client.keys.results("trainer"))
+    return await client.outstanding() - unacked
 
 
 async def _postmortem(url: str, lost: list[tuple[str, int]]) -> None:
@@ -229,7 +306,8 @@ async def _postmortem(url: str, lost: list[tuple[str, int]]) -> None:
 def render(summary: Summary) -> None:
     colour = "green" if summary.ok else "red"
     console.print(f"[bold {colour}]groups submitted {summary.submitted_groups}, delivered "
-                  f"{summary.delivered}, duplicated {summary.duplicated}, lost {summary.lost}"
-                  f"[/bold {colour}]")
+                  f"{summary.delivered}, duplicated {summary.duplicated}, lost {summary.lost}, "
+                  f"quota drift {summary.quota_drift}[/bold {colour}]")
     console.print(f"jobs {summary.submitted_jobs}; results by status {summary.statuses}; faults "
-                  f"{summary.faults}; versions published {summary.versions_published}; seed {summary.seed}")
+                  f"{summary.faults}; versions published {summary.versions_published}; trainer exits "
+                  f"{summary.trainer_exits}; seed {summary.seed}")

@@ -3,7 +3,7 @@
     async with RolloutClient(policy="math", trainer_id="run-7") as client:
         job = await client.submit([[1, 2, 3], [4, 5]], n=8, sampling={"max_tokens": 64})
         async for result in client.results():
-            train_on(result)          # acknowledged when you ask for the next one
+            train_on(result)          # acknowledged when you ask for the next ones (AckMode)
 
 `SyncRolloutClient` offers the same for trainers that are not async.
 """
@@ -16,9 +16,9 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -55,6 +55,35 @@ from rollq.registry.versions import Registry, VersionConflict
 
 Prompt = Sequence[int] | str
 """Token ids, or text for workers whose model directory has a tokenizer."""
+
+AckMode = Literal["auto", "manual"]
+"""How results read by `results()` / `take()` are acknowledged. The one statement of delivery to
+trainers (docs/reliability.md, "Delivery to trainers", says the same for HTTP):
+
+- A result stays pending on the trainer's result stream until it is acknowledged; only then does
+  it leave the stream and the trainer's quota (`outstanding`). A client hands each result out
+  once. A client started with the same `trainer_id` (a restarted trainer) is handed every
+  unacknowledged result first, once each, then new ones.
+- "manual": nothing is acknowledged until `await client.ack(results)`: call it after the training
+  step (or the checkpoint) that consumed them. A trainer killed before that gets them again on
+  restart; with a committed record of what it trained on, it trains on each group exactly once.
+- "auto" (the default): the results a read handed out are acknowledged when you next ask this
+  client for results (the next batch of `results()`, the next `take()`): your loop is done with
+  them. The last ones stay pending until `ack()`; a crash before that hands them to the
+  restarted trainer again (at least once, never lost).
+- Breaking out of `results()` strands nothing: results read but not handed out come first from
+  the next read of this client.
+"""
+
+
+def _check_ack(ack: str) -> None:
+    if ack not in ("auto", "manual"):
+        raise InvalidInput("ack", f"ack={ack!r} must be 'auto' or 'manual'")
+
+
+async def _now(func, *args):
+    """Run a plain function on the client's event loop (the sync wrapper's thread)."""
+    return func(*args)
 
 
 def group_prompts(prompts: Sequence[Prompt], n: int, repeated: bool) -> list[list[int] | str]:
@@ -128,6 +157,8 @@ class RolloutClient:
         self.weight_store = weight_store or os.environ.get(
             "ROLLQ_WEIGHT_STORE", str(Path.home() / ".cache" / "rollq" / "weights"))
         self._reader = ResultReader(self.redis, self.scripts, self.keys, trainer_id, trainer_id)
+        self._auto_unacked: list[str] = []
+        """Handed out by reads with ack="auto": acknowledged by this client's next read."""
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -245,24 +276,25 @@ class RolloutClient:
 
     # --- results -----------------------------------------------------------------------------
 
-    async def results(self, *, block_s: float = 1.0, batch: int = 64) -> AsyncIterator[GroupResult]:
-        """Results as they arrive, forever. Each is acknowledged when you ask for the next one.
+    async def results(self, *, block_s: float = 1.0, batch: int = 64,
+                      ack: AckMode = "auto") -> AsyncIterator[GroupResult]:
+        """Results as they arrive, forever. Acknowledgement: see `AckMode`.
 
-        A result you were handed but did not finish with (the loop broke or raised) is not
-        acknowledged: it comes back after a reconnect. Use `take` for a bounded read.
+        Breaking out of the loop is safe: results read but not handed out yet come first from the
+        next `results()` or `take()` of this client.
         """
-        to_ack: list[str] = []
+        _check_ack(ack)
         while True:
-            if to_ack:
-                await self._retrying(self._reader.ack, to_ack)
-                to_ack = []
-            entries = await self._retrying(self._reader.read, batch, int(block_s * 1000), reading=True)
-            for entry_id, result in entries:
-                yield result
-                to_ack.append(entry_id)
+            for entry_id, result in await self._next_batch(batch, int(block_s * 1000)):
+                # Handed (and, with "auto", due for acknowledgement) only when actually yielded.
+                if self._hand(entry_id, ack):
+                    yield result
 
-    async def take(self, count: int, *, timeout_s: float = 30.0) -> list[GroupResult]:
-        """Up to `count` results, waiting at most `timeout_s`; they are acknowledged."""
+    async def take(self, count: int, *, timeout_s: float = 30.0,
+                   ack: AckMode = "auto") -> list[GroupResult]:
+        """Up to `count` results, waiting at most `timeout_s`. Acknowledgement: see `AckMode`."""
+        _check_ack(ack)
+        await self._ack_auto()
         got: list[GroupResult] = []
         give_up = time.monotonic() + timeout_s
         while len(got) < count:
@@ -270,11 +302,44 @@ class RolloutClient:
             if left <= 0:
                 break
             entries = await self._retrying(self._reader.read, count - len(got),
-                                           max(1, int(min(left, 1.0) * 1000)), reading=True)
-            if entries:
-                await self._retrying(self._reader.ack, [e for e, _ in entries])
-                got.extend(r for _, r in entries)
+                                           max(1, int(min(left, 1.0) * 1000)), hand=False,
+                                           reading=True)
+            got.extend(r for e, r in entries if self._hand(e, ack))
         return got
+
+    async def ack(self, results: Iterable[GroupResult | str] | None = None) -> int:
+        """Acknowledge results (or their `entry_id`s): they leave the result stream and the quota.
+        None: every result this client has handed out and not acknowledged. Returns how many
+        were pending; a result acknowledged before is not counted again."""
+        if results is None:
+            ids = sorted(self._reader.handed)
+        else:
+            ids = [r if isinstance(r, str) else r.entry_id for r in results]
+            if not all(ids):
+                raise InvalidInput("results", "a result without entry_id was not read through a "
+                                              "client; acknowledge results that results()/take() gave you")
+        acked = await self._retrying(self._reader.ack, ids)
+        done = set(ids)
+        self._auto_unacked = [e for e in self._auto_unacked if e not in done]
+        return acked
+
+    def _hand(self, entry_id: str, ack: AckMode) -> bool:
+        if not self._reader.hand(entry_id):
+            return False
+        if ack == "auto":
+            self._auto_unacked.append(entry_id)
+        return True
+
+    async def _ack_auto(self) -> None:
+        """Acknowledge what "auto" reads handed out: the caller has asked for more."""
+        if self._auto_unacked:
+            ids = list(self._auto_unacked)
+            await self._retrying(self._reader.ack, ids)
+            del self._auto_unacked[:len(ids)]  # ones handed out meanwhile were appended
+
+    async def _next_batch(self, batch: int, block_ms: int) -> list[tuple[str, GroupResult]]:
+        await self._ack_auto()
+        return await self._retrying(self._reader.read, batch, block_ms, hand=False, reading=True)
 
     # --- jobs --------------------------------------------------------------------------------
 
@@ -371,13 +436,19 @@ class SyncRolloutClient:
     def submit(self, prompts, n: int = 1, sampling=None, **kwargs: Any) -> str:
         return self._call(self._client.submit(prompts, n, sampling, **kwargs))
 
-    def take(self, count: int, *, timeout_s: float = 30.0) -> list[GroupResult]:
-        return self._call(self._client.take(count, timeout_s=timeout_s))
+    def take(self, count: int, *, timeout_s: float = 30.0, ack: AckMode = "auto") -> list[GroupResult]:
+        return self._call(self._client.take(count, timeout_s=timeout_s, ack=ack))
 
-    def results(self, *, batch: int = 64) -> Iterator[GroupResult]:
-        """Results as they arrive, forever; each batch is acknowledged before it is handed out."""
+    def results(self, *, batch: int = 64, ack: AckMode = "auto") -> Iterator[GroupResult]:
+        """Results as they arrive, forever; acknowledged as `RolloutClient.results` says."""
+        _check_ack(ack)
         while True:
-            yield from self.take(batch, timeout_s=1.0)
+            for entry_id, result in self._call(self._client._next_batch(batch, 1000)):
+                if self._call(_now(self._client._hand, entry_id, ack)):
+                    yield result
+
+    def ack(self, results: Iterable[GroupResult | str] | None = None) -> int:
+        return self._call(self._client.ack(results))
 
     def status(self, job_id: str) -> JobStatus:
         return self._call(self._client.status(job_id))

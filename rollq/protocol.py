@@ -223,6 +223,9 @@ class GroupResult(msgspec.Struct, **_WIRE):
     """Submit to generation start."""
     generation_s: float = 0.0
     finished_at: float = 0.0
+    entry_id: str = ""
+    """Its result-stream entry id, set by the reader (workers leave it empty): what
+    `RolloutClient.ack` acknowledges."""
 
     @property
     def prompt_ids(self) -> list[int]:

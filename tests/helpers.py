@@ -22,6 +22,7 @@ async def wait_until(predicate, timeout_s: float = 20, what: str = "condition"):
 
 async def collect(client, count: int, timeout_s: float = 60) -> list:
     """Exactly `count` results from a client (fails on fewer), acknowledged."""
-    got = await client.take(count, timeout_s=timeout_s)
+    got = await client.take(count, timeout_s=timeout_s, ack="manual")
     assert len(got) == count, f"expected {count} results, got {len(got)}"
+    await client.ack(got)
     return got

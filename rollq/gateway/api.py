@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -97,10 +98,15 @@ async def results(request: web.Request) -> web.Response:
 
 async def stream_results(request: web.Request) -> web.StreamResponse:
     """Server-Sent Events, one `result` event per group; unacknowledged results of earlier
-    connections come first. `?ack=auto` acknowledges each batch once it is written."""
+    connections come first. `ack=manual` (default, at least once): acknowledge with POST
+    .../results/ack. `ack=auto` (at most once): each batch is acknowledged once it is written to
+    the socket, so a client that disconnects loses what it had not received (reliability.md)."""
     gw, policy, who = _context(request)
     batch = _int_query(request, "batch", 64, 1, 1024)
-    auto_ack = request.query.get("ack") == "auto"
+    mode = request.query.get("ack", "manual")
+    if mode not in ("auto", "manual"):
+        raise ApiError(400, f"ack={mode[:20]!r} must be 'auto' or 'manual'", "ack")
+    auto_ack = mode == "auto"
     reader = gw.reader(policy, who.trainer)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -116,15 +122,22 @@ async def stream_results(request: web.Request) -> web.StreamResponse:
             await reader.ack([e for e, _ in entries])
 
 
+_RESULT_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+"""A stream entry id as Redis writes it; ASCII digits only (str.isdigit also takes '١' and '²')."""
+MAX_ACK_IDS = 10_000
+
+
 async def ack_results(request: web.Request) -> web.Response:
+    """Acknowledge results by id: each one read and not acknowledged yet leaves the stream and the
+    quota; any other id (never read, acknowledged already) is left alone and not counted."""
     gw, policy, who = _context(request)
     body = await read_body(request, AckRequest)
-    if len(body.ids) > 10_000:
-        raise ApiError(400, f"{len(body.ids)} ids; the limit is 10000 per request", "ids")
+    if len(body.ids) > MAX_ACK_IDS:
+        raise ApiError(400, f"{len(body.ids)} ids; the limit is {MAX_ACK_IDS} per request", "ids")
     for i, entry_id in enumerate(body.ids):
-        ms, _, seq = entry_id.partition("-")
-        if not (ms.isdigit() and seq.isdigit()):
-            raise ApiError(400, f"{entry_id!r} is not a result id like '1700000000000-0'", f"ids[{i}]")
+        if not _RESULT_ID.fullmatch(entry_id):
+            raise ApiError(400, f"ids[{i}]={entry_id[:40]!r} is not a result id like "
+                                "'1700000000000-0' (the `id` of a result)", f"ids[{i}]")
     return reply(request, Acked(await gw.reader(policy, who.trainer).ack(body.ids)))
 
 

@@ -7,10 +7,16 @@ A read whose reply is lost (the connection dropped after Redis delivered the ent
 redis-py retried the read, which then returned the *next* entries) leaves entries pending that
 nobody was handed. Found by `rollq chaos`. The reader remembers what it handed out and, every
 few seconds, looks for such orphans among this consumer's pending entries and reads them again.
+
+Read is not handed: a caller that gives results out one at a time (`RolloutClient.results()`)
+reads with `hand=False` and calls `hand` as it gives each one out. What was read but never handed
+(the caller's loop broke mid-batch) is returned first by the next read, so it is neither stranded
+(skipped as "handed") nor lost.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from redis.asyncio import Redis
@@ -39,6 +45,8 @@ class ResultReader:
         self._group_ready = False
         self._handed: set[str] = set()
         """Entry ids handed to the caller and not acknowledged through this reader."""
+        self._unhanded: dict[str, GroupResult] = {}
+        """Read from Redis, not handed to the caller yet (in stream order)."""
         self._next_orphan_check = time.monotonic() + ORPHAN_CHECK_S
 
     async def _ensure_group(self) -> None:
@@ -49,8 +57,36 @@ class ResultReader:
                 raise
         self._group_ready = True
 
-    async def read(self, count: int, block_ms: int | None) -> list[tuple[str, GroupResult]]:
-        """Up to `count` results: first those read before but never acknowledged, then new ones."""
+    async def read(self, count: int, block_ms: int | None, *, hand: bool = True,
+                   ) -> list[tuple[str, GroupResult]]:
+        """Up to `count` results not handed out yet: first those read but never handed, then those
+        read before but never acknowledged (after a restart or reconnect), then new ones.
+
+        `hand`: mark them all handed out; else the caller calls `hand` for each it gives out.
+        """
+        entries = self._unhanded_first(count) or await self._read_redis(count, block_ms)
+        if hand:
+            for entry_id, _ in entries:
+                self.hand(entry_id)
+        return entries
+
+    def hand(self, entry_id: str) -> bool:
+        """Mark one result read by `read(hand=False)` as given to the caller. False: it had been
+        handed out already (another loop over the same reader) or acknowledged: skip it."""
+        if self._unhanded.pop(entry_id, None) is None:
+            return False
+        self._handed.add(entry_id)
+        return True
+
+    @property
+    def handed(self) -> set[str]:
+        """Ids handed out and not acknowledged through this reader."""
+        return set(self._handed)
+
+    def _unhanded_first(self, count: int) -> list[tuple[str, GroupResult]]:
+        return list(itertools.islice(self._unhanded.items(), count))
+
+    async def _read_redis(self, count: int, block_ms: int | None) -> list[tuple[str, GroupResult]]:
         if not self._group_ready:
             await self._ensure_group()
         if not self._replaying and time.monotonic() >= self._next_orphan_check:
@@ -83,10 +119,12 @@ class ResultReader:
                 if data is None:  # deleted after it was read: nothing to deliver
                     junk.append(entry_id)
                     continue
-                if self._replaying and entry_id in self._handed:
-                    continue  # handed out already by this reader, not acknowledged yet
-                out.append((entry_id, decode_result(data)))
-                self._handed.add(entry_id)
+                if entry_id in self._handed or entry_id in self._unhanded:
+                    continue  # replayed, but this reader holds it already
+                result = decode_result(data)
+                result.entry_id = entry_id
+                out.append((entry_id, result))
+                self._unhanded[entry_id] = result
             if junk:
                 await self.ack(junk)
             if out or not self._replaying:
@@ -99,10 +137,15 @@ class ResultReader:
         if len(pending) < 10_000:
             self._handed &= ids  # the rest were acknowledged elsewhere (another connection)
         return any(p["time_since_delivered"] >= ORPHAN_CHECK_S * 1000
-                   and p["message_id"].decode() not in self._handed for p in pending)
+                   and p["message_id"].decode() not in self._handed
+                   and p["message_id"].decode() not in self._unhanded for p in pending)
 
     async def ack(self, entry_ids: list[str]) -> int:
+        """Acknowledge results by id; returns how many were pending (ids never read, or
+        acknowledged already, are left alone)."""
         self._handed.difference_update(entry_ids)
+        for entry_id in entry_ids:
+            self._unhanded.pop(entry_id, None)
         acked = 0
         for i in range(0, len(entry_ids), ACK_CHUNK):
             acked += await self.scripts.ack(keys=[self.stream, self.outstanding],

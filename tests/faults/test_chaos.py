@@ -13,6 +13,10 @@ def test_short_chaos_run_loses_and_doubles_nothing(tmp_path):
         capture_output=True, text=True, timeout=420, env=os.environ | {"COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())
-    assert summary["lost"] == 0 and summary["duplicated"] == 0
+    assert summary["lost"] == 0 and summary["duplicated"] == 0 and summary["quota_drift"] == 0
+    # Every kind of fault happened, the trainer's included (killed; broke out of results()).
+    assert set(summary["faults"]) == {"worker_sigkill", "worker_sigstop", "redis_restart",
+                                      "client_kill", "trainer_sigkill", "results_break"}
+    assert summary["trainer_exits"] == 0
     assert summary["delivered"] == summary["submitted_groups"] > 200
     assert sum(summary["faults"].values()) >= 5 and summary["versions_published"] >= 3

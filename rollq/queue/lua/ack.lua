@@ -1,10 +1,16 @@
 -- A trainer acknowledges results it has consumed: they leave the stream and its quota.
 -- KEYS: result stream, outstanding counter.  ARGV: id1..idN.  Returns the number acked.
-local acked = redis.call('XACK', KEYS[1], 'trainer', unpack(ARGV))
-if acked > 0 then
-  redis.call('XDEL', KEYS[1], unpack(ARGV))
-  if redis.call('DECRBY', KEYS[2], acked) < 0 then
-    redis.call('SET', KEYS[2], 0)
+-- Per id: only an entry XACK took out of the pending list is deleted and leaves the quota. An id
+-- that was never read (or was acked already) is left alone; deleting it would lose its result and
+-- leak its quota, since nobody could read it again to acknowledge it.
+local acked = 0
+for _, id in ipairs(ARGV) do
+  if redis.call('XACK', KEYS[1], 'trainer', id) == 1 then
+    redis.call('XDEL', KEYS[1], id)
+    acked = acked + 1
   end
+end
+if acked > 0 and redis.call('DECRBY', KEYS[2], acked) < 0 then
+  redis.call('SET', KEYS[2], 0)
 end
 return acked
