@@ -186,3 +186,24 @@ def test_seeded_groups_are_drained_not_cut():
     seeded = WorkItem("j", 0, pack_tokens([1]), 1, Sampling(seed=5), 0.0)
     unseeded = WorkItem("j", 0, pack_tokens([1]), 1, Sampling(), 0.0)
     assert interruptible(unseeded, 2) and not interruptible(seeded, 2)
+
+
+@pytest.mark.parametrize("damage", ["tensor in two shards", "shard missing"])
+async def test_incomplete_or_ambiguous_sharded_version_is_refused(
+        publisher, make_worker, weights_dir, tmp_path, damage):
+    """Issue 21, item 2: every tensor of the served model, each exactly once, before any load
+    (vLLM only warns about a missing one, and which copy of a duplicate it keeps is unsaid)."""
+    base = {"a.weight": ("F32", (3, 4)), "b.bias": ("F32", (5,))}
+    shards = tmp_path / "sharded"
+    shards.mkdir()
+    save_file({"a.weight": TENSORS["a.weight"] + 1}, str(shards / "model-00001-of-00002.safetensors"))
+    if damage == "tensor in two shards":
+        save_file({"a.weight": TENSORS["a.weight"] + 2, "b.bias": torch.ones(5)},
+                  str(shards / "model-00002-of-00002.safetensors"))
+    await publisher.publish_weights(1, weights_dir)
+    worker, _ = make_worker(engine=InstantEngine(version=1), base_schema=base)
+    await publisher.publish_weights(2, shards, copy=False)
+    await wait_until(lambda: 2 in worker.cannot_load, what="v2 refused")
+    assert worker.engine.version == 1
+    expected = "'a.weight' is in both" if damage == "tensor in two shards" else "missing 1 tensors"
+    assert expected in worker.last_error

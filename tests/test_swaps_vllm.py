@@ -2,6 +2,8 @@
 token by its job's window, refuse bad weights; checked against transformers under each version."""
 
 import asyncio
+import math
+import shutil
 from collections import Counter
 from functools import cache
 from pathlib import Path
@@ -245,3 +247,113 @@ async def test_load_error_keeps_the_old_version_serving(publisher, follower, ver
             reference.check(r.prompt_ids, r.samples[0])
     finally:
         engine_v1.llm.collective_rpc = rpc
+
+
+# --- issue 21: swap safety on the real engine -----------------------------------------------------
+
+async def test_failed_load_restores_the_old_version_even_when_its_files_are_gone(
+        publisher, follower, versions, engine_v1):
+    """A load that fails half way (vLLM has already moved the layers to the meta device) must
+    put the old weights back, even when retention deleted the old version's published files."""
+    weights, models = versions
+    worker = follower()
+    v2 = await publisher.publish_weights(2, weights[2])
+    await wait_until(lambda: worker.engine.version == 2, timeout_s=120, what="swap to v2")
+    shutil.rmtree(v2.path)  # what retention did in issue 21 while the heartbeat still said v1
+    rpc, loads = engine_v1.llm.collective_rpc, []
+
+    async def break_mid_load(method, *args, **kwargs):
+        path = kwargs.get("kwargs", {}).get("weights_path")
+        loads.append(path)
+        if len(loads) == 1:  # the bytes vLLM reads go bad after they were verified (disk error)
+            f = Path(path) / "model.safetensors"
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        return await rpc(method, *args, **kwargs)
+
+    engine_v1.llm.collective_rpc = break_mid_load
+    try:
+        await publisher.publish_weights(3, weights[3])
+        await wait_until(lambda: 3 in worker.cannot_load, timeout_s=120, what="v3 given up")
+    finally:
+        engine_v1.llm.collective_rpc = rpc
+    assert worker.engine.version == 2 and worker.engine.alive and len(loads) >= 2
+    await publisher.submit(PROMPTS[:4], n=1, sampling=GREEDY | {"logprobs": 0})
+    reference = Reference(models)
+    for r in await collect(publisher, 4, timeout_s=60):
+        assert r.status == "ok", r.reason
+        assert r.samples[0].versions == [(2, 0)]
+        assert all(math.isfinite(lp) for lp in r.samples[0].token_logprobs)
+        reference.check(r.prompt_ids, r.samples[0])
+
+
+async def test_by_reference_version_rewritten_during_the_drain_serves_the_verified_bytes(
+        publisher, follower, versions, tmp_path):
+    """Issue 21, item 3: the bytes vLLM loads are the bytes that were verified."""
+    from safetensors.torch import save_file
+
+    weights, models = versions
+    worker = follower(swap_mode="drain")
+    directory, other = tmp_path / "v2", tmp_path / "v3"
+    for d, v in ((directory, 2), (other, 3)):
+        d.mkdir()
+        save_file({k: t.contiguous() for k, t in weights[v].items()}, str(d / "model.safetensors"))
+    await publisher.submit(PROMPTS[:8], n=1, sampling={"temperature": 0.0, "max_tokens": 200})
+    await wait_until(lambda: len(worker.admission.generating) >= 8, what="long groups running")
+    await publisher.publish_weights(2, directory, copy=False)
+    await wait_until(lambda: worker.state == "draining", what="v2 verified, draining")
+    with open(directory / "model.safetensors", "r+b") as f:  # in place: same inode, same size
+        f.write((other / "model.safetensors").read_bytes())
+    long = await collect(publisher, 8, timeout_s=180)
+    await wait_until(lambda: worker.engine.version == 2, timeout_s=60, what="swap to v2")
+    await publisher.submit(PROMPTS[8:14], n=1, sampling=GREEDY)
+    reference = Reference(models)
+    for r in long + await collect(publisher, 6, timeout_s=60):
+        assert r.status == "ok", r.reason
+        reference.check(r.prompt_ids, r.samples[0])  # v2-labelled tokens are v2's weights'
+    assert {r.samples[0].versions[0][0] for r in long} == {1}
+
+
+async def test_seeded_samples_are_the_same_with_or_without_an_interrupting_swap(
+        publisher, follower, versions):
+    """Issue 21, item 5: a seeded group is drained, never cut, so its samples do not depend
+    on when a swap happened."""
+    weights, _ = versions
+    worker = follower(swap_mode="interrupt")
+    seeded = {"temperature": 1.0, "max_tokens": 150, "seed": 1234}
+    prompts = PROMPTS[:8]
+
+    async def run() -> dict:
+        await publisher.submit(prompts, n=2, sampling=seeded)
+        return {tuple(r.prompt_ids): r for r in await collect(publisher, len(prompts), timeout_s=180)}
+
+    before = await run()  # all on v1
+    await publisher.submit(prompts, n=2, sampling=seeded)
+    await wait_until(lambda: len(worker.admission.generating) >= 8, what="seeded groups running")
+    await publisher.publish_weights(2, weights[2])
+    during = {tuple(r.prompt_ids): r for r in await collect(publisher, len(prompts), timeout_s=180)}
+    await wait_until(lambda: worker.engine.version == 2, timeout_s=60, what="swap to v2")
+    after = await run()  # all on v2
+    for prompt, r in during.items():
+        for i, sample in enumerate(r.samples):
+            assert len(sample.versions) == 1, f"seeded sample cut by the swap: {sample.versions}"
+            same = (before if sample.versions[0][0] == 1 else after)[prompt].samples[i]
+            assert sample.token_ids == same.token_ids
+
+
+async def test_out_of_vocabulary_prompt_fails_its_group_and_the_engine_lives(
+        publisher, follower, versions):
+    """Issue 21, item 4: one bad token id must fail its group, never kill the engine core."""
+    from models import VOCAB
+
+    worker = follower()
+    bad = await publisher.submit([[1, VOCAB + 5, 3], [1, 2, VOCAB]], n=1, sampling=GREEDY)
+    results = await collect(publisher, 2, timeout_s=60)
+    for r in results:
+        assert r.job_id == bad and r.status == "failed"
+        assert "prompt" in r.reason and str(VOCAB) in r.reason, r.reason
+    assert worker.engine.alive
+    await publisher.submit(PROMPTS[:3], n=1, sampling=GREEDY)
+    reference = Reference(versions[1])
+    for r in await collect(publisher, 3, timeout_s=60):
+        assert r.status == "ok", r.reason
+        reference.check(r.prompt_ids, r.samples[0])
