@@ -18,7 +18,7 @@ from rollq.registry.retention import retain
 from rollq.registry.safetensors_check import WeightError
 from rollq.registry.store import WeightStore, verify
 from rollq.registry.versions import VersionConflict
-from rollq.worker.windows import interruptible
+from rollq.worker.windows import Decision, decide, interruptible
 
 TENSORS = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
 
@@ -207,3 +207,58 @@ async def test_incomplete_or_ambiguous_sharded_version_is_refused(
     assert worker.engine.version == 1
     expected = "'a.weight' is in both" if damage == "tensor in two shards" else "missing 1 tensors"
     assert expected in worker.last_error
+
+
+async def test_pin_and_retire_are_atomic_and_exclusive(publisher, weights_dir):
+    registry = publisher.registry
+    for v in (1, 2, 3):
+        await publisher.publish_weights(v, weights_dir)
+    assert await registry.retire(3) == "newest"
+    assert (await registry.pin(2, "w1", 30)).version == 2
+    assert await registry.retire(2) == "pinned"
+    await registry.unpin(2, "w1")
+    assert await registry.retire(2) == "ok"
+    assert await registry.retire(2) == "gone"  # a second retention does not own it again
+    assert await registry.pin(2, "w1", 30) is None  # too late: a worker skips it
+    await registry.pin(1, "crashed-worker", 0.001)  # a lease nobody renews lapses by itself
+    await wait_until(lambda: _retired(registry, 1), what="lapsed pin no longer protects v1")
+    assert await registry.entries() == [await registry.get(3)]
+
+
+async def _retired(registry, version) -> bool:
+    return await registry.retire(version) == "ok"
+
+
+async def test_heartbeat_renews_the_pins_of_the_versions_a_worker_holds(
+        publisher, make_worker, weights_dir, redis, monkeypatch):
+    gate = gated_check(monkeypatch, 3)
+    await publisher.publish_weights(1, weights_dir)
+    worker, _ = make_worker(engine=InstantEngine(version=1), lease_s=0.6)  # pins last 1.8 s
+    await publisher.publish_weights(2, weights_dir)
+    await wait_until(lambda: worker.engine.version == 2, what="worker on v2")
+    key = publisher.keys.pins(2)
+    first = await redis.zscore(key, worker.worker_id)
+    await publisher.publish_weights(3, weights_dir)  # v2 is no longer the newest
+    await wait_until(lambda: _renewed(redis, key, worker.worker_id, first + 2000),
+                     what="pin renewed past its first lease")
+    assert await publisher.registry.retire(2) == "pinned"  # served, so kept
+    gate.set()
+    await wait_until(lambda: worker.engine.version == 3, what="worker on v3")
+    await wait_until(lambda: _retired(publisher.registry, 2), what="v2 released after the swap")
+
+
+async def _renewed(redis, key, member, past) -> bool:
+    return (await redis.zscore(key, member) or 0) > past
+
+
+@pytest.mark.parametrize("target, cannot_load, peers, expected", [
+    (2, set(), set(), Decision.WAIT_SWAP),  # this worker is verifying v2: wait for it
+    (2, {2}, set(), Decision.FAIL),         # ... and gave it up
+    (None, set(), {2}, Decision.PASS),      # another worker is swapping to v2 (or pinned to it)
+    (None, set(), set(), Decision.FAIL),    # nobody holds or loads v2; followers go to v3
+])
+def test_decide_counts_versions_being_loaded(target, cannot_load, peers, expected):
+    exact_2 = WorkItem("j", 0, pack_tokens([1]), 1, Sampling(), 0.0, min_version=2, max_version=2)
+    verdict = decide(exact_2, loaded=1, pinned=False, newest=3, pinned_elsewhere=peers,
+                     cannot_load=cannot_load, target=target)
+    assert verdict.decision is expected
