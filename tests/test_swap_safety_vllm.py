@@ -86,7 +86,7 @@ async def test_seeded_samples_are_the_same_with_or_without_an_interrupting_swap(
     on when a swap happened."""
     weights, _ = versions
     worker = follower(swap_mode="interrupt")
-    seeded = {"temperature": 1.0, "max_tokens": 150, "seed": 1234}
+    seeded = {"temperature": 1.0, "max_tokens": 200, "seed": 1234}
     prompts = PROMPTS[:8]
 
     async def run() -> dict:
@@ -97,6 +97,10 @@ async def test_seeded_samples_are_the_same_with_or_without_an_interrupting_swap(
     await publisher.submit(prompts, n=2, sampling=seeded)
     await wait_until(lambda: len(worker.admission.generating) >= 8, what="seeded groups running")
     await publisher.publish_weights(2, weights[2])
+    await wait_until(lambda: worker.state != "serving" or worker.engine.version == 2,
+                     what="swap begun")
+    # Else the groups ended before the swap and the test proves nothing.
+    assert worker.engine.version == 1 and worker.admission.generating, "swap came too late"
     during = {tuple(r.prompt_ids): r for r in await collect(publisher, len(prompts), timeout_s=180)}
     await wait_until(lambda: worker.engine.version == 2, timeout_s=60, what="swap to v2")
     after = await run()  # all on v2
