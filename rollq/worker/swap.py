@@ -47,15 +47,20 @@ class Snapshots:
     """This worker's private copies of the versions it loads (a temp dir, `TMPDIR` decides where)."""
 
     def __init__(self, worker_id: str):
-        self.root = Path(tempfile.mkdtemp(prefix=f"rollq-snapshots-{worker_id}-"))
-        atexit.register(shutil.rmtree, self.root, True)
+        self.worker_id = worker_id
+        self.root: Path | None = None
+        """Made at the first swap: a worker that never swaps leaves nothing behind. A killed
+        worker (no atexit) leaves its last snapshot in `TMPDIR`."""
 
     def new(self, version: int) -> Path:
+        if self.root is None:
+            self.root = Path(tempfile.mkdtemp(prefix=f"rollq-snapshots-{self.worker_id}-"))
+            atexit.register(shutil.rmtree, self.root, True)
         return self.root / f"v{version}-{uuid.uuid4().hex[:8]}"
 
     def drop(self, path: str | Path | None) -> None:
-        if path is not None and self.root in Path(path).parents:  # never the start-up model
-            shutil.rmtree(path, ignore_errors=True)
+        if path is not None and self.root is not None and self.root in Path(path).parents:
+            shutil.rmtree(path, ignore_errors=True)  # never the start-up model's directory
 
 
 def _copy_checked(source: Path, target: Path, expected: FileDigest) -> None:
