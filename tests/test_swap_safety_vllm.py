@@ -81,13 +81,18 @@ async def test_by_reference_version_rewritten_during_the_drain_serves_the_verifi
 
 
 async def test_seeded_samples_are_the_same_with_or_without_an_interrupting_swap(
-        publisher, follower, versions):
+        publisher, follower, versions, tmp_path):
     """Issue 21, item 5: a seeded group is drained, never cut, so its samples do not depend
     on when a swap happened."""
     weights, _ = versions
     worker = follower(swap_mode="interrupt")
-    seeded = {"temperature": 1.0, "max_tokens": 200, "seed": 1234}
-    prompts = PROMPTS[:8]
+    # 50 long samples (more than the engine runs at once) and a publish that only hashes, so
+    # the swap begins while seeded groups still run.
+    seeded = {"temperature": 1.0, "max_tokens": 240, "seed": 1234}
+    prompts = PROMPTS
+    (tmp_path / "v2").mkdir()
+    save_file({k: t.contiguous() for k, t in weights[2].items()},
+              str(tmp_path / "v2" / "model.safetensors"))
 
     async def run() -> dict:
         await publisher.submit(prompts, n=2, sampling=seeded)
@@ -96,7 +101,7 @@ async def test_seeded_samples_are_the_same_with_or_without_an_interrupting_swap(
     before = await run()  # all on v1
     await publisher.submit(prompts, n=2, sampling=seeded)
     await wait_until(lambda: len(worker.admission.generating) >= 8, what="seeded groups running")
-    await publisher.publish_weights(2, weights[2])
+    await publisher.publish_weights(2, tmp_path / "v2", copy=False)
     await wait_until(lambda: worker.state != "serving" or worker.engine.version == 2,
                      what="swap begun")
     # Else the groups ended before the swap and the test proves nothing.
