@@ -96,6 +96,8 @@ class VLLMEngine:
         self._swaps_begun = 0
         self._swaps_done = 0
         self._swap_done = asyncio.Event()
+        self._dead = ""
+        """Why the engine can serve no more (a failed load whose fallback failed too)."""
 
     @classmethod
     async def start(cls, settings: VLLMSettings, *, version: int = 0) -> VLLMEngine:
@@ -142,7 +144,11 @@ class VLLMEngine:
 
     @property
     def alive(self) -> bool:
-        return self.llm is not None and not self.llm.errored
+        return self.llm is not None and not self.llm.errored and not self._dead
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.model_config.get_vocab_size()
 
     @property
     def max_num_seqs(self) -> int:
@@ -155,7 +161,7 @@ class VLLMEngine:
                 raise GroupError("text prompt, but this worker's model has no tokenizer: send token ids")
             prompt: dict[str, Any] = {"prompt": item.text}
         else:
-            prompt = {"prompt_token_ids": unpack_tokens(item.prompt)}
+            prompt = {"prompt_token_ids": self._checked(unpack_tokens(item.prompt))}
         request_id = f"{item.job_id}-{item.group_index}-{uuid.uuid4().hex[:8]}"
         states = [_SampleState() for _ in range(item.n)]
         final, version, epoch = await self._request(prompt, params, request_id)
@@ -172,6 +178,16 @@ class VLLMEngine:
             for i, (completion, v, _) in zip(cut, outputs):
                 states[i].extend(completion, v, item.sampling.logprobs)
         return Generated([st.to_sample(version) for st in states], pack_tokens(prompt_ids))
+
+    def _checked(self, ids: list[int]) -> list[int]:
+        """vLLM does not check ids against the model without a tokenizer: one id outside the
+        embedding table raised IndexError inside the engine core and killed it (issue 21)."""
+        vocab = self.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            at = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
+            raise GroupError(f"prompt token id {ids[at]} at position {at} is outside the model's "
+                             f"vocabulary of {vocab} tokens (ids 0..{vocab - 1})")
+        return ids
 
     async def _request(self, prompt: dict, params: Any, request_id: str):
         """One engine request -> (final output, version that ran it, swaps begun before it)."""
@@ -210,10 +226,11 @@ class VLLMEngine:
 
     async def swap(self, version: int, path: str, *, interrupt: bool = False) -> dict[str, float]:
         """Load `version` (already verified). `interrupt`: abort running requests, which then
-        continue under the new weights; else wait for them. On a load error the old weights are
-        loaded back and the error raised. Returns seconds per phase: pause (running requests
-        finish or are cut), load (vLLM reads the files into the model), resume (version label,
-        prefix cache reset, generation resumed)."""
+        continue under the new weights; else wait for them. All or nothing: on a load error the
+        old weights are loaded back and the error raised; if even that fails the engine is dead
+        (`alive` False, EngineDead raised) rather than serving a model without weights. Returns
+        seconds per phase: pause (running requests finish or are cut), load (vLLM reads the files
+        into the model, one probe token), resume (version label, prefix cache reset, resumed)."""
         llm = self.llm
         self._swaps_begun += 1
         phases, mark = {}, time.monotonic()
@@ -226,24 +243,63 @@ class VLLMEngine:
         try:
             await llm.pause_generation(mode="abort" if interrupt else "wait", clear_cache=True)
             lap("pause")
-            try:
-                await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-            except Exception:
-                log.exception("loading version %d failed; loading version %d back", version,
-                              self._version)
-                await llm.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_path})
-                raise
+            await self._load_or_restore(version, path)
             lap("load")
             await llm.update_weight_version(str(version))
             self._version, self._weights_path, self._labelled = version, path, True
             await llm.reset_prefix_cache()
         finally:
-            await llm.resume_generation()
+            if not self._dead:  # a dead engine's queued requests must not run on empty layers
+                await llm.resume_generation()
             self._swaps_done += 1
             done, self._swap_done = self._swap_done, asyncio.Event()
             done.set()
         lap("resume")
         return phases
+
+    async def _load_or_restore(self, version: int, path: str) -> None:
+        try:
+            await self._load(path)
+        except Exception as e:
+            # vLLM moves the layers to the meta device before reading: a load that fails half
+            # way leaves no weights at all, so the old ones must come back before anything runs.
+            log.exception("loading version %d failed; loading version %d back from %s", version,
+                          self._version, self._weights_path)
+            try:
+                await self._load(self._weights_path)
+            except Exception as again:
+                self._dead = (f"version {version} failed to load ({e}) and version {self._version} "
+                              f"could not be loaded back ({again})")
+                log.error("engine unusable: %s", self._dead)
+                raise EngineDead(self._dead) from again
+            raise
+
+    async def _load(self, path: str) -> None:
+        """reload_weights, then one greedy probe token (generation resumed just for it): vLLM only
+        warns about tensors it did not load, so an incomplete load shows as a non-finite logprob."""
+        llm = self.llm
+        await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        await llm.resume_generation()
+        try:
+            logprob = await self._probe()
+        finally:
+            await llm.pause_generation(mode="wait", clear_cache=True)
+        if not math.isfinite(logprob):
+            raise RuntimeError(f"weights loaded from {path} give a logprob of {logprob}")
+
+    async def _probe(self) -> float:
+        """Our other requests wait for the swap to end (`_request`): only this one runs."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=1, logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for output in self.llm.generate({"prompt_token_ids": [0]}, params,
+                                              request_id=f"probe-{uuid.uuid4().hex[:8]}"):
+            final = output
+        completion = final.outputs[0]
+        return completion.logprobs[0][completion.token_ids[0]].logprob
 
     async def close(self) -> None:
         llm, self.llm = self.llm, None

@@ -85,6 +85,12 @@ class Keys:
         """Stream announcing each newly registered version (workers block on it)."""
         return f"{self._p}:version-events"
 
+    def pins(self, version: int) -> str:
+        """Sorted set worker id -> lease expiry (ms, Redis clock): the workers verifying, draining
+        toward, loading or serving `version`. Taken only while the version is registered and
+        checked by retention in the same script, so a pinned version's files are never deleted."""
+        return f"{self._p}:pins:{version}"
+
     @property
     def bounded_jobs(self) -> str:
         """Set of the job keys of unfinished jobs with a max_version: retention keeps the

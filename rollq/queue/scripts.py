@@ -12,7 +12,8 @@ from importlib import resources
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish")
+NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish", "pin",
+         "retire")
 
 
 @cache
@@ -35,3 +36,5 @@ class Scripts:
     ack: AsyncScript
     cancel: AsyncScript
     publish: AsyncScript
+    pin: AsyncScript
+    retire: AsyncScript

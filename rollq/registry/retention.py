@@ -1,12 +1,21 @@
-"""Retention: drop old versions, never one that a worker holds or an unfinished job may need."""
+"""Retention: drop old versions, never one that a worker pins or holds, or an unfinished job may need.
+
+The last word is `Registry.retire` (one Lua script): a version is deregistered only if it is not
+the newest and no worker's pin lease is live, and the caller that deregistered it is the only
+one that deletes its files. Workers pin a version before verifying it (`Registry.pin`, which
+succeeds only while the version is registered), so a worker never loses files it is about to
+load, and two publishers' retentions never delete one version twice.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from redis.asyncio import Redis
 
 from rollq.queue.keys import Keys
+from rollq.registry.safetensors_check import WeightError
 from rollq.registry.store import WeightStore
 from rollq.registry.versions import Registry
 from rollq.worker.heartbeat import live_workers
@@ -42,10 +51,16 @@ async def retain(redis: Redis, keys: Keys, store: WeightStore | None, keep: int)
     for entry in entries:
         if entry.version in protected or any(lo <= entry.version <= hi for lo, hi in windows):
             continue
-        await registry.unregister(entry.version)  # first: no worker finds it from now on
-        if entry.owned and store is not None:
-            store.delete(entry.path)
+        if await registry.retire(entry.version) != "ok":  # pinned, newest, or someone else's
+            continue
         removed.append(entry.version)
+        if entry.owned and store is not None:
+            try:
+                await asyncio.to_thread(store.delete, entry.path)
+            except (WeightError, OSError) as e:
+                # Deregistered already (nobody can load it any more): a leftover directory is
+                # an operator's cleanup, never a reason to fail the publish that called us.
+                log.warning("version %d deregistered, but its files stay: %s", entry.version, e)
     if removed:
         log.info("retention removed versions %s of policy %r", removed, keys.policy)
     return removed

@@ -42,7 +42,27 @@ class Registry:
         found = await self.redis.hgetall(self.keys.versions)
         return sorted((decode_version(v) for v in found.values()), key=lambda e: e.version)
 
-    async def unregister(self, version: int) -> None:
-        if version == await self.latest():
-            raise ValueError(f"version {version} is the newest: it cannot be removed")
-        await self.redis.hdel(self.keys.versions, str(version))
+    async def retire(self, version: int) -> str:
+        """Deregister `version` unless it is the newest or a worker pins it (one script).
+
+        'ok': this caller removed it and owns the deletion of its files; else 'newest',
+        'pinned' or 'gone' (someone else removed it first).
+        """
+        verdict = await self.scripts.retire(
+            keys=[self.keys.versions, self.keys.latest, self.keys.pins(version)],
+            args=[version], client=self.redis)
+        return verdict.decode()
+
+    async def pin(self, version: int, worker_id: str, lease_s: float) -> VersionEntry | None:
+        """Lease `version` to a worker (taken again to renew it); None: it is no longer registered.
+
+        A worker pins a version before it verifies it and holds the pin while it drains toward
+        it, loads it and serves it: retention cannot remove it in between.
+        """
+        data = await self.scripts.pin(
+            keys=[self.keys.versions, self.keys.pins(version)],
+            args=[version, worker_id, max(1, int(lease_s * 1000))], client=self.redis)
+        return None if data is None else decode_version(data)
+
+    async def unpin(self, version: int, worker_id: str) -> None:
+        await self.redis.zrem(self.keys.pins(version), worker_id)

@@ -9,6 +9,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollq.queue.keys import Keys
+from rollq.registry.versions import Registry
 from rollq.worker.stats import Totals
 
 
@@ -22,28 +23,40 @@ class WorkerState(msgspec.Struct, frozen=True):
     last_error: str = ""
     pinned: bool = False
     totals: Totals = msgspec.field(default_factory=Totals)
+    target: int | None = None
+    """The version this worker is verifying, draining toward or loading (None: no swap)."""
 
 
 class Heartbeat:
+    """Also renews the worker's pin leases on versions (`holds`), as long as it beats."""
+
     def __init__(self, redis: Redis, keys: Keys, worker_id: str, *, ttl_s: float):
         self.redis, self.keys, self.worker_id, self.ttl_s = redis, keys, worker_id, ttl_s
+        self.registry = Registry(redis, keys)
+        self.holds: set[int] = set()
+        """Versions this worker has pinned (set by the version follower)."""
+        self.target: int | None = None
 
     async def beat(self, *, version: int, inflight: int, state: str, last_error: str = "",
                    pinned: bool = False, totals: Totals | None = None) -> None:
         now = time.time()
         beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned,
-                           totals or Totals())
+                           totals or Totals(), self.target)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.worker(self.worker_id), msgspec.json.encode(beat),
                      px=int(self.ttl_s * 1000))
             pipe.zadd(self.keys.workers, {self.worker_id: now})
             await pipe.execute()
+        for held in list(self.holds):
+            await self.registry.pin(held, self.worker_id, self.ttl_s)
 
     async def remove(self) -> None:
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(self.keys.worker(self.worker_id))
                 pipe.zrem(self.keys.workers, self.worker_id)
+                for held in self.holds:
+                    pipe.zrem(self.keys.pins(held), self.worker_id)
                 await pipe.execute()
         except RedisError:  # best effort on the way out; the key expires anyway
             pass

@@ -306,13 +306,18 @@ class Worker:
         if in_window(item, loaded, loaded if newest is None else max(newest, loaded)):
             return Verdict(Decision.SERVE)
         return decide(item, loaded=loaded, pinned=self.pinned, newest=newest,
-                      pinned_elsewhere=await self._pinned_peers(), cannot_load=self.cannot_load)
+                      pinned_elsewhere=await self._pinned_peers(), cannot_load=self.cannot_load,
+                      target=self.heartbeat.target)
 
     async def _pinned_peers(self) -> set[int]:
         at, versions = self._peers
         if time.monotonic() - at > PEERS_CACHE_S:
-            versions = {w.version for w in await live_workers(self.queue.redis, self.queue.keys)
-                        if w.pinned and w.worker_id != self.worker_id}
+            peers = [w for w in await live_workers(self.queue.redis, self.queue.keys)
+                     if w.worker_id != self.worker_id]
+            # Pinned peers serve their version forever; a follower swapping to a version will
+            # serve it until it moves on (issue 21: do not fail what it is about to load).
+            versions = {w.version for w in peers if w.pinned} | {w.target for w in peers
+                                                                  if w.target is not None}
             self._peers = (time.monotonic(), versions)
         return versions
 

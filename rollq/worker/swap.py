@@ -3,24 +3,35 @@
 New versions are announced on a stream that the follower blocks on; the newest version is also
 read every `poll_s`, so a missed announcement (reconnect, Redis restart) delays a swap, never
 loses it.
-Weights are checked before the engine sees them (files, sizes, sha256, safetensors headers,
-tensor names and shapes against the served model); a version that fails is reported and skipped
-while the worker goes on serving the one it has.
+
+A version is pinned in Redis (`Registry.pin`) before anything else: retention cannot remove it
+while this worker verifies it, drains toward it, loads it or serves it. Its files are then
+copied into a snapshot directory private to this worker and checked there (sizes, sha256,
+headers, every tensor of the served model present exactly once with its shape): the bytes
+checked are the bytes the engine reads, whatever happens to the published files later. The
+engine loads the snapshot; the previous snapshot stays until the swap is done, so a failed load
+can always go back to it. A version that fails is reported (log, heartbeat) and skipped while
+the worker goes on serving the one it has.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import logging
+import shutil
+import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from redis.exceptions import RedisError
 
-from rollq.protocol import VersionEntry
-from rollq.registry.safetensors_check import Schema, WeightError, check_compatible, dir_schema
-from rollq.registry.store import verify
+from rollq.protocol import FileDigest, VersionEntry
+from rollq.registry.safetensors_check import Schema, WeightError, check_compatible, check_header
+from rollq.registry.store import refuse_unsafe, sha256_file
 from rollq.registry.versions import Registry
 from rollq.worker.windows import interruptible
 
@@ -32,15 +43,74 @@ log = logging.getLogger("rollq.worker")
 SwapMode = Literal["drain", "interrupt"]
 
 
-def check_version(entry: VersionEntry, base_schema: Schema | None) -> None:
-    """Everything that can be checked before loading; raises WeightError."""
-    verify(entry.path, entry.files)
-    if base_schema is not None:
-        check_compatible(dir_schema(Path(entry.path)), base_schema, f"version {entry.version}")
+class Snapshots:
+    """This worker's private copies of the versions it loads (a temp dir, `TMPDIR` decides where)."""
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self.root: Path | None = None
+        """Made at the first swap: a worker that never swaps leaves nothing behind. A killed
+        worker (no atexit) leaves its last snapshot in `TMPDIR`."""
+
+    def new(self, version: int) -> Path:
+        if self.root is None:
+            self.root = Path(tempfile.mkdtemp(prefix=f"rollq-snapshots-{self.worker_id}-"))
+            atexit.register(shutil.rmtree, self.root, True)
+        return self.root / f"v{version}-{uuid.uuid4().hex[:8]}"
+
+    def drop(self, path: str | Path | None) -> None:
+        if path is not None and self.root is not None and self.root in Path(path).parents:
+            shutil.rmtree(path, ignore_errors=True)  # never the start-up model's directory
 
 
-async def swap_to(worker: Worker, entry: VersionEntry, mode: SwapMode, *, verify_s: float = 0.0) -> bool:
-    """Gate closed → drain what must finish on the old version → swap → gate open.
+def _copy_checked(source: Path, target: Path, expected: FileDigest) -> None:
+    """Copy one file, then hash the copy: the copy is private, so the bytes hashed are the bytes
+    the engine will read. (The kernel's copy plus a hash from the page cache measured faster
+    than one Python pass copying and hashing; see docs/architecture.md.)"""
+    shutil.copyfile(source, target)
+    size = target.stat().st_size
+    if size != expected.bytes:
+        raise WeightError(f"{expected.name}: {size} bytes, registered {expected.bytes} "
+                          "(truncated or replaced)")
+    actual = sha256_file(target)
+    if actual != expected.sha256:
+        raise WeightError(f"{expected.name}: sha256 {actual[:12]}… does not match the "
+                          f"registered {expected.sha256[:12]}… (corrupted or replaced)")
+
+
+def snapshot_schema(directory: Path) -> Schema:
+    """Every tensor of the version, refusing one stored twice (which shard would vLLM keep?)."""
+    schema: Schema = {}
+    where: dict[str, str] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        for name, spec in check_header(f).items():
+            if name in schema:
+                raise WeightError(f"tensor {name!r} is in both {where[name]} and {f.name}")
+            schema[name], where[name] = spec, f.name
+    return schema
+
+
+def check_version(entry: VersionEntry, base_schema: Schema | None, into: Path) -> None:
+    """Copy the version into `into` (a private snapshot) and check the copy; raises WeightError."""
+    source = Path(entry.path)
+    if not source.is_dir():
+        raise WeightError(f"{source}: version directory is missing")
+    refuse_unsafe(source)
+    present = {p.name for p in source.iterdir() if p.suffix == ".safetensors"}
+    if present != {d.name for d in entry.files}:
+        raise WeightError(f"{source}: safetensors files {sorted(present)} differ from the "
+                          f"registered {sorted(d.name for d in entry.files)}")
+    into.mkdir(mode=0o700)
+    for d in entry.files:
+        _copy_checked(source / d.name, into / d.name, d)
+    schema = snapshot_schema(into)
+    if base_schema is not None:  # complete: every tensor the served model needs, right shapes
+        check_compatible(schema, base_schema, f"version {entry.version}")
+
+
+async def swap_to(worker: Worker, entry: VersionEntry, path: Path, mode: SwapMode, *,
+                  verify_s: float = 0.0) -> bool:
+    """Gate closed → drain what must finish on the old version → swap to `path` → gate open.
 
     `verify_s`: time already spent checking the files, reported with the other phases.
     """
@@ -53,8 +123,8 @@ async def swap_to(worker: Worker, entry: VersionEntry, mode: SwapMode, *, verify
     phases = {"verify": verify_s, "drain": time.monotonic() - began}
     worker.state = "swapping"
     try:
-        phases |= await worker.engine.swap(version, entry.path, interrupt=mode == "interrupt")
-    except Exception as e:  # the engine is back on its old weights; report, do not retry this one
+        phases |= await worker.engine.swap(version, str(path), interrupt=mode == "interrupt")
+    except Exception as e:  # the engine is back on its old weights (or dead); report, never retry
         worker.cannot_load.add(version)
         worker.last_error = f"swap to version {version} failed: {type(e).__name__}: {e}"
         worker.stats.swap(False, time.monotonic() - began, phases)
@@ -77,6 +147,9 @@ class VersionFollower:
         self.mode = mode
         self.base_schema = base_schema
         self.poll_s = poll_s
+        self.snapshots = Snapshots(worker.worker_id)
+        self.loaded: tuple[int, Path] | None = None
+        """The version the engine serves from a snapshot of ours (None: the start-up weights)."""
 
     async def run(self) -> None:
         """Until the worker stops (it ends by itself within `poll_s` of that).
@@ -104,27 +177,55 @@ class VersionFollower:
         engine = self.worker.engine
         if newest is None or newest <= engine.version or newest in self.worker.cannot_load:
             return
-        entry = await self.registry.get(newest)
-        if entry is None:
-            return
-        checking = time.monotonic()
         try:
-            await asyncio.to_thread(check_version, entry, self.base_schema)
-        except (WeightError, OSError) as e:
+            await self._follow(newest)
+        except RedisError:  # Redis trouble is not the version's fault: run() retries
+            raise
+        except Exception as e:  # a hostile file, a bug, the engine: whatever it is, the follower
+            # must live on (else the worker never follows again) and never retry this version
             self.worker.cannot_load.add(newest)
-            self.worker.last_error = f"version {newest} refused: {e}"
+            self.worker.last_error = f"version {newest} refused: {type(e).__name__}: {e}"
             log.error("%s; still serving version %d", self.worker.last_error, engine.version)
+
+    async def _follow(self, version: int) -> None:
+        """Pin → snapshot and check → swap; the pin and snapshot of the version not served go."""
+        heartbeat = self.worker.heartbeat
+        entry = await self.registry.pin(version, self.worker.worker_id, heartbeat.ttl_s)
+        if entry is None:  # retired since `latest` was read: the next catch-up finds a newer one
             return
-        await swap_to(self.worker, entry, self.mode, verify_s=time.monotonic() - checking)
+        heartbeat.holds.add(version)
+        heartbeat.target = version
+        snapshot, served = self.snapshots.new(version), False
+        try:
+            checking = time.monotonic()
+            await asyncio.to_thread(check_version, entry, self.base_schema, snapshot)
+            served = await swap_to(self.worker, entry, snapshot, self.mode,
+                                   verify_s=time.monotonic() - checking)
+        finally:
+            heartbeat.target = None
+            if served:
+                old, self.loaded = self.loaded, (version, snapshot)
+                if old is not None:
+                    await self._release(*old)
+            else:
+                await self._release(version, snapshot)
+
+    async def _release(self, version: int, snapshot: Path) -> None:
+        self.worker.heartbeat.holds.discard(version)
+        self.snapshots.drop(snapshot)
+        with contextlib.suppress(RedisError):  # else the lease lapses by itself
+            await self.registry.unpin(version, self.worker.worker_id)
 
 
 async def load_pinned(worker: Worker, registry: Registry, version: int,
                       base_schema: Schema | None) -> None:
-    """A pinned worker loads its version once at start; raises if it cannot."""
+    """A pinned worker loads its version once at start (and holds its pin); raises if it cannot."""
     if version == worker.engine.version:
         return
-    entry = await registry.get(version)
+    entry = await registry.pin(version, worker.worker_id, worker.heartbeat.ttl_s)
     if entry is None:
         raise WeightError(f"--pin-version {version}: no such version in the registry")
-    await asyncio.to_thread(check_version, entry, base_schema)
-    await worker.engine.swap(version, entry.path, interrupt=False)
+    worker.heartbeat.holds.add(version)
+    snapshot = Snapshots(worker.worker_id).new(version)
+    await asyncio.to_thread(check_version, entry, base_schema, snapshot)
+    await worker.engine.swap(version, str(snapshot), interrupt=False)

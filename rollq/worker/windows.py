@@ -34,15 +34,21 @@ def in_window(item: WorkItem, version: int, newest: int) -> bool:
 
 
 def decide(item: WorkItem, *, loaded: int, pinned: bool, newest: int | None,
-           pinned_elsewhere: set[int], cannot_load: set[int]) -> Verdict:
+           pinned_elsewhere: set[int], cannot_load: set[int], target: int | None = None) -> Verdict:
     """`newest`: the newest registered version (None: none yet, the base weights serve).
+    `target`: the version this worker is verifying, draining toward or loading, if any.
+    `pinned_elsewhere`: versions other live workers are pinned to or about to load.
 
-    Workers that follow the registry serve the newest version and every later one; pinned
+    Workers that follow the registry serve the newest version and every later one, and on the
+    way the version they are already swapping to (they pinned it: it cannot be retired); pinned
     workers serve their version forever.
     """
     newest = loaded if newest is None else max(newest, loaded)
     if in_window(item, loaded, newest):
         return Verdict(Decision.SERVE)
+    if target is not None and target > loaded and target not in cannot_load \
+            and in_window(item, target, newest):
+        return Verdict(Decision.WAIT_SWAP)
     if not pinned and loaded < newest and newest not in cannot_load and in_window(item, newest, newest):
         return Verdict(Decision.WAIT_SWAP)
     followers_can = item.max_version is None or item.max_version >= max(item.min_version, newest)
@@ -58,9 +64,11 @@ def interruptible(item: WorkItem, version: int) -> bool:
 
     Not when the window excludes `version`, nor when continuing from "prompt + tokens so far"
     would change the sampling: a regex restarts its automaton, presence/frequency penalties
-    count only generated tokens, and `extra` may hold anything.
+    count only generated tokens, `extra` may hold anything, and a seeded sample continued
+    under another seed would not be the sample its seed promises (drained, it is exact).
     """
     if item.max_version is not None and item.max_version < version:
         return False
     s = item.sampling
-    return not s.regex and not s.extra and s.presence_penalty == 0 and s.frequency_penalty == 0
+    return (s.seed is None and not s.regex and not s.extra and s.presence_penalty == 0
+            and s.frequency_penalty == 0)
