@@ -262,3 +262,24 @@ def test_decide_counts_versions_being_loaded(target, cannot_load, peers, expecte
     verdict = decide(exact_2, loaded=1, pinned=False, newest=3, pinned_elsewhere=peers,
                      cannot_load=cannot_load, target=target)
     assert verdict.decision is expected
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_snapshot_copy_refuses_a_link_or_fifo_put_in_place_after_the_checks(tmp_path, kind):
+    """The private copy reads through one descriptor opened without following links or
+    blocking: a file swapped for a link or a FIFO after the directory was checked is refused
+    with a WeightError naming it (not followed, not waited on)."""
+    import os
+
+    from rollq.protocol import FileDigest
+
+    real = tmp_path / "real.safetensors"
+    save_file({"w": torch.ones(4)}, real)
+    source = tmp_path / "model.safetensors"
+    if kind == "symlink":
+        source.symlink_to(real)
+    else:
+        os.mkfifo(source)
+    expected = FileDigest("model.safetensors", "0" * 64, real.stat().st_size)
+    with pytest.raises(WeightError, match="model.safetensors: is (a symbolic link|not a regular file)"):
+        swap_module._copy_checked(source, tmp_path / "copy.safetensors", expected)

@@ -20,6 +20,7 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -30,8 +31,9 @@ from typing import TYPE_CHECKING, Literal
 from redis.exceptions import RedisError
 
 from rollq.protocol import FileDigest, VersionEntry
-from rollq.registry.safetensors_check import Schema, WeightError, check_compatible, check_header
-from rollq.registry.store import refuse_unsafe, sha256_file
+from rollq.registry.safetensors_check import (Schema, WeightError, check_compatible, check_header,
+                                              open_regular)
+from rollq.registry.store import refuse_links, refuse_unsafe, sha256_file
 from rollq.registry.versions import Registry
 from rollq.worker.windows import interruptible
 
@@ -67,8 +69,14 @@ def _copy_checked(source: Path, target: Path, expected: FileDigest) -> None:
     """Copy one file, then hash the copy: the copy is private, so the bytes hashed are the bytes
     the engine will read. (The kernel's copy plus a hash from the page cache measured faster
     than one Python pass copying and hashing; see docs/architecture.md.)"""
-    shutil.copyfile(source, target)
-    size = target.stat().st_size
+    # Through one descriptor opened without following links or blocking: a link or FIFO put in
+    # place after the directory was checked is refused, never followed or waited on.
+    with os.fdopen(open_regular(source), "rb") as src:
+        size = os.fstat(src.fileno()).st_size
+        if size == expected.bytes:
+            with open(target, "wb") as dst:
+                _copy_fd(src.fileno(), dst.fileno(), size)
+            size = target.stat().st_size
     if size != expected.bytes:
         raise WeightError(f"{expected.name}: {size} bytes, registered {expected.bytes} "
                           "(truncated or replaced)")
@@ -76,6 +84,16 @@ def _copy_checked(source: Path, target: Path, expected: FileDigest) -> None:
     if actual != expected.sha256:
         raise WeightError(f"{expected.name}: sha256 {actual[:12]}… does not match the "
                           f"registered {expected.sha256[:12]}… (corrupted or replaced)")
+
+
+def _copy_fd(src: int, dst: int, size: int) -> None:
+    """The kernel copies (sendfile), as shutil.copyfile does for paths."""
+    offset = 0
+    while offset < size:
+        sent = os.sendfile(dst, src, offset, min(size - offset, 1 << 30))
+        if sent == 0:  # the file shrank under us: the size check that follows refuses it
+            break
+        offset += sent
 
 
 def snapshot_schema(directory: Path) -> Schema:
@@ -96,6 +114,7 @@ def check_version(entry: VersionEntry, base_schema: Schema | None, into: Path) -
     if not source.is_dir():
         raise WeightError(f"{source}: version directory is missing")
     refuse_unsafe(source)
+    refuse_links(source)
     present = {p.name for p in source.iterdir() if p.suffix == ".safetensors"}
     if present != {d.name for d in entry.files}:
         raise WeightError(f"{source}: safetensors files {sorted(present)} differ from the "
