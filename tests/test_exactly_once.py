@@ -3,6 +3,7 @@
 Each test names the bug it holds down; each failed on the code before its fix.
 """
 
+import asyncio
 import time
 
 import pytest
@@ -142,3 +143,32 @@ async def test_a_lost_claim_reply_does_not_burn_a_delivery(make_client, make_wor
     make_worker("w-lost-reply", max_deliveries=1, lease_s=2.0)
     [result] = await collect(client, 1, timeout_s=15)
     assert result.status == "ok", result.reason
+
+
+async def test_groups_only_a_pinned_worker_can_serve_survive_its_restart(make_client, make_worker):
+    """Suspected, proven: while the only worker pinned to v1 restarts after a crash (its
+    heartbeat expired), a follower on v3 failed `exact_version=1` groups for good. A version a
+    pinned worker served recently stays servable for a grace period (a clean stop ends it at
+    once): such groups wait for the worker to come back."""
+    from rollq.engine.instant import InstantEngine
+
+    client = make_client()
+    pinned, running = make_worker("pinned-1", engine=InstantEngine(version=1), pinned=True,
+                                  lease_s=1.0)
+    make_worker(engine=InstantEngine(version=3), follow=False, lease_s=1.0)
+    await client.submit([[1]], n=1, exact_version=1)
+    [before] = await collect(client, 1, timeout_s=15)
+    assert before.status == "ok" and before.samples[0].versions == [(1, 0)]
+    async def crashed():  # a crashed worker never removes its heartbeat: it expires
+        pass
+
+    pinned.heartbeat.remove = crashed
+    pinned.stop()
+    pinned.stop()
+    await asyncio.wait_for(running, 30)
+    await client.submit([[2]], n=1, exact_version=1)
+    # Past the heartbeat's expiry (3 leases): only the pinned-version mark speaks for v1 now.
+    assert await client.take(1, timeout_s=5) == [], "failed while the pinned worker restarted"
+    make_worker("pinned-1", engine=InstantEngine(version=1), pinned=True, lease_s=1.0)
+    [after] = await collect(client, 1, timeout_s=15)
+    assert after.status == "ok" and after.samples[0].versions == [(1, 0)]

@@ -98,6 +98,12 @@ class Keys:
         return f"{self._p}:bounded-jobs"
 
     @property
+    def pinned_versions(self) -> str:
+        """Sorted set version -> when a pinned worker last served it: groups only a pinned
+        worker can serve wait through its restart instead of failing."""
+        return f"{self._p}:pinned-versions"
+
+    @property
     def workers(self) -> str:
         """Sorted set of worker ids by time of their last heartbeat."""
         return f"{self._p}:workers"

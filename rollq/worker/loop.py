@@ -25,7 +25,7 @@ from rollq.protocol import (MAX_N, GroupResult, InvalidInput, Sample, WorkItem, 
 from rollq.queue.work import Claimed, WorkQueue
 from rollq.registry.versions import Registry
 from rollq.worker.admission import Admission
-from rollq.worker.heartbeat import Heartbeat, live_workers
+from rollq.worker.heartbeat import Heartbeat, live_workers, recently_pinned
 from rollq.worker.stats import WorkerStats
 from rollq.worker.windows import Decision, Verdict, decide, in_window
 
@@ -318,6 +318,9 @@ class Worker:
             # serve it until it moves on (issue 21: do not fail what it is about to load).
             versions = {w.version for w in peers if w.pinned} | {w.target for w in peers
                                                                   if w.target is not None}
+            # A pinned worker that is restarting has no heartbeat: its version stays servable
+            # for a grace period, so groups only it can serve wait instead of failing.
+            versions |= await recently_pinned(self.queue.redis, self.queue.keys)
             self._peers = (time.monotonic(), versions)
         return versions
 
