@@ -20,11 +20,13 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.protocol import (
     MAX_JOB_GROUPS,
+    Chat,
     GroupResult,
     InvalidInput,
     QueueFull,
@@ -33,6 +35,7 @@ from rollq.protocol import (
     WorkItem,
     check_id,
     check_trainer_id,
+    decode_item,
     encode,
     encode_meta,
     pack_tokens,
@@ -88,6 +91,13 @@ def _window(min_version: int | None, max_version: int | None, exact_version: int
     window = (min_version or 0, max_version, max_staleness)
     validate_window(*window)
     return window
+
+
+def _typed(field: str, value: Any, typ: Any) -> Any:
+    try:
+        return msgspec.convert(value, typ)
+    except msgspec.ValidationError as e:
+        raise InvalidInput(field, str(e)) from None
 
 
 def _sampling(sampling: Sampling | dict[str, Any] | None) -> Sampling:
@@ -196,6 +206,78 @@ class RolloutClient:
                     break
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.5)
+
+    async def submit_chat(
+        self,
+        conversations: Sequence[Sequence[dict[str, Any]]],
+        n: int = 1,
+        sampling: Sampling | dict[str, Any] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        job_id: str | None = None,
+        deadline_s: float | None = None,
+        meta: dict[str, Any] | None = None,
+        max_staleness: int | None = None,
+        min_version: int | None = None,
+        max_version: int | None = None,
+        exact_version: int | None = None,
+        wait: bool = True,
+        timeout_s: float | None = None,
+    ) -> str:
+        """Queue one group of `n` samples per conversation (a list of OpenAI chat messages).
+
+        The worker renders each conversation with its model's chat template exactly as vLLM's
+        OpenAI server does (`tools`, `chat_template_kwargs`, `chat_template`,
+        `add_generation_prompt`, `continue_final_message` as vLLM takes them); each result's
+        `prompt` holds the rendered token ids, and its samples carry decoded `text`. Otherwise
+        as `submit` (one round trip, idempotent `job_id`, quota, version window).
+        """
+        validate_n(n)
+        job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
+        window = _window(min_version, max_version, exact_version, max_staleness)
+        settings = msgspec.structs.replace(_sampling(sampling), text=True)
+        if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
+            raise InvalidInput("conversations", "must be a list of conversations (lists of messages)")
+        shared = dict(tools=_typed("tools", tools, list[dict[str, Any]] | None),
+                      chat_template=_typed("chat_template", chat_template, str | None),
+                      chat_template_kwargs=_typed("chat_template_kwargs", chat_template_kwargs or {},
+                                                  dict[str, Any]),
+                      add_generation_prompt=bool(add_generation_prompt),
+                      continue_final_message=bool(continue_final_message))
+        chats = [Chat(_typed(f"conversations[{i}]", messages, list[dict[str, Any]]), **shared)
+                 for i, messages in enumerate(conversations)]
+        # The prompts are placeholders: the items are built as for token prompts, then carry the chat.
+        items = self._encode_items(job_id, [[0]] * len(chats), n, settings, deadline_s, window)
+        items = [(encode(msgspec.structs.replace(decode_item(data), prompt=b"", chat=chat)), deadline)
+                 for (data, deadline), chat in zip(items, chats)]
+        for i, (data, _) in enumerate(items):
+            try:
+                decode_item(data)  # the limits of the conversation and of the whole item
+            except InvalidInput as e:
+                field = f"conversations[{i}]{e.field[4:]}" if e.field.startswith("chat") else e.field
+                raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
+        return await self._enqueue(job_id, items, encode_meta(meta), window, wait, timeout_s)
+
+    async def _enqueue(self, job_id: str, items: list[tuple[bytes, float]], meta: bytes,
+                       window: tuple[int, int | None, int | None], wait: bool,
+                       timeout_s: float | None) -> str:
+        """Enqueue encoded items, waiting for quota room as `submit` does (submit_chat's path)."""
+        give_up = time.monotonic() + timeout_s if timeout_s is not None else None
+        while True:
+            try:
+                await self._retrying(
+                    jobs.enqueue, self.redis, self.scripts, self.keys, trainer=self.trainer_id,
+                    job_id=job_id, items=[b for b, _ in items], quota=self.max_outstanding,
+                    deadline=items[0][1], meta=meta, min_version=window[0], max_version=window[1])
+                return job_id
+            except QueueFull as full:
+                if full.never_fits or not wait or (give_up is not None and time.monotonic() >= give_up):
+                    raise
+                await asyncio.sleep(0.05 * (0.5 + random.random()))
 
     async def _retrying(self, func, *args, reading: bool = False, **kwargs):
         """`await func(*args, **kwargs)`, again with backoff while Redis is unreachable (a restart, a killed

@@ -19,6 +19,7 @@ import msgspec
 
 from rollq.config import VLLMSettings
 from rollq.engine.base import EngineDead, Generated, GroupError
+from rollq.engine.chat import ChatRenderer
 from rollq.protocol import Sample, Sampling, WorkItem, pack_floats, pack_tokens, unpack_tokens
 
 log = logging.getLogger("rollq.engine.vllm")
@@ -26,7 +27,7 @@ log = logging.getLogger("rollq.engine.vllm")
 # Fields the wire type owns: `extra` may not override them (n, logprobs and output kind are ours).
 _OWNED = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "max_tokens", "stop_token_ids", "seed", "logprobs",
-          "structured_outputs", "output_kind", "detokenize"}
+          "structured_outputs", "output_kind", "detokenize", "stop"}
 
 
 class _SampleState:
@@ -39,6 +40,9 @@ class _SampleState:
         self.versions: list[tuple[int, int]] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.text = ""
+        self.token_texts: list[str] = []
+        self.top_texts: list[str] = []
 
     def extend(self, completion: Any, version: int, top_n: int) -> None:
         """Append a request's output; `version`: the engine's version when it was sent."""
@@ -51,8 +55,14 @@ class _SampleState:
         positions = completion.logprobs or []
         self.logprobs += [positions[i][t].logprob if i < len(positions) else math.nan
                           for i, t in enumerate(tokens)]
-        if top_n:
-            self.top += [_ranked(entries, token, top_n) for token, entries in zip(tokens, positions)]
+        top = [_ranked(entries, token, top_n) for token, entries in zip(tokens, positions)] if top_n else []
+        self.top += top
+        self.text += completion.text or ""
+        if positions and tokens and positions[0][tokens[0]].decoded_token is not None:
+            # Detokenized: token strings as vLLM's server shows them, from vLLM's own decoding.
+            self.token_texts += [positions[i][t].decoded_token for i, t in enumerate(tokens)]
+            self.top_texts += [positions[i][t].decoded_token for i, ranked in enumerate(top)
+                               for t, _ in ranked]
         self.tokens += tokens
         self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
 
@@ -65,7 +75,8 @@ class _SampleState:
         return Sample(tokens=pack_tokens(self.tokens), logprobs=pack_floats(self.logprobs),
                       finish_reason=self.finish_reason or "abort", stop_reason=self.stop_reason,
                       versions=self.versions or [(version, 0)], top_counts=bytes(counts),
-                      top_ids=pack_tokens(ids), top_logprobs=pack_floats(values))
+                      top_ids=pack_tokens(ids), top_logprobs=pack_floats(values), text=self.text,
+                      token_texts=self.token_texts, top_texts=self.top_texts)
 
 
 class _Span(msgspec.Struct):
@@ -96,6 +107,7 @@ class VLLMEngine:
         self._swaps_begun = 0
         self._swaps_done = 0
         self._swap_done = asyncio.Event()
+        self._chat = ChatRenderer(llm, has_tokenizer)
 
     @classmethod
     async def start(cls, settings: VLLMSettings, *, version: int = 0) -> VLLMEngine:
@@ -150,10 +162,15 @@ class VLLMEngine:
 
     async def generate_group(self, item: WorkItem) -> Generated:
         params = sampling_params(item.sampling, item.n)
-        if item.text:
+        if (item.sampling.text or item.sampling.stop) and not self.has_tokenizer:
+            raise GroupError("text or stop strings asked for, but this worker's model has no tokenizer")
+        if item.chat is not None:
+            # Convert Chat --> prompt token ids, as vLLM's server renders a chat request.
+            prompt: Any = await self._chat.render(item.chat, item.sampling.max_tokens)
+        elif item.text:
             if not self.has_tokenizer:
                 raise GroupError("text prompt, but this worker's model has no tokenizer: send token ids")
-            prompt: dict[str, Any] = {"prompt": item.text}
+            prompt = {"prompt": item.text}
         else:
             prompt = {"prompt_token_ids": unpack_tokens(item.prompt)}
         request_id = f"{item.job_id}-{item.group_index}-{uuid.uuid4().hex[:8]}"
@@ -272,7 +289,9 @@ def sampling_params(s: Sampling, n: int):
             # 0 still returns the sampled token's own logprob, which every sample carries.
             logprobs=s.logprobs,
             structured_outputs=StructuredOutputsParams(regex=s.regex) if s.regex else None,
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+            stop=list(s.stop) or None,
+            # Decoding costs CPU per token: only when text or stop strings need it.
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(s.text or s.stop),
             **s.extra,
         )
     except (VLLMClientError, ValueError, TypeError) as e:
