@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from rollq import __version__
 from rollq.gateway.api import run_job
 from rollq.gateway.auth import allowed
 from rollq.gateway.http import JSON, ApiError, read_body
@@ -136,9 +137,10 @@ def response(req: ChatCompletionRequest, job_id: str, r: GroupResult) -> dict:
             policy_versions=[list(v) for v in sample.versions]))
     completion_tokens = sum(len(s.tokens) // 4 for s in r.samples)
     usage = dict(prompt_tokens=len(prompt_ids), total_tokens=len(prompt_ids) + completion_tokens,
-                 completion_tokens=completion_tokens, prompt_tokens_details=None)
+                 completion_tokens=completion_tokens, prompt_tokens_details=None,
+                 completion_tokens_details=None)
     return dict(id=job_id, object="chat.completion", created=int(time.time()), model=req.model,
-                choices=choices, service_tier=None, system_fingerprint=None, usage=usage,
+                choices=choices, service_tier=None, system_fingerprint=f"rollq-{__version__}", usage=usage,
                 prompt_logprobs=None, prompt_token_ids=prompt_ids if req.return_token_ids else None,
                 prompt_text=None, kv_transfer_params=None, ec_transfer_params=None, metrics=None)
 
