@@ -251,12 +251,15 @@ class RolloutClient:
         chats = [Chat(_typed(f"conversations[{i}]", messages, list[dict[str, Any]]), **shared)
                  for i, messages in enumerate(conversations)]
         # The prompts are placeholders: the items are built as for token prompts, then carry the chat.
-        items = self._encode_items(job_id, [[0]] * len(chats), n, settings, deadline_s, window)
-        items = [(encode(msgspec.structs.replace(decode_item(data), prompt=b"", chat=chat)), deadline)
-                 for (data, deadline), chat in zip(items, chats)]
-        for i, (data, _) in enumerate(items):
+        placeholders = self._encode_items(job_id, [[0]] * len(chats), n, settings, deadline_s, window)
+        items = []
+        for i, ((data, deadline), chat) in enumerate(zip(placeholders, chats)):
             try:
-                decode_item(data)  # the limits of the conversation and of the whole item
+                item = msgspec.structs.replace(decode_item(data), prompt=b"", chat=chat)
+                items.append((encode(item), deadline))
+                decode_item(items[-1][0])  # the limits of the conversation and of the whole item
+            except (OverflowError, TypeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
+                raise InvalidInput(f"conversations[{i}]", f"cannot be encoded: {e}") from None
             except InvalidInput as e:
                 field = f"conversations[{i}]{e.field[4:]}" if e.field.startswith("chat") else e.field
                 raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
