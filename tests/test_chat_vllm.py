@@ -245,3 +245,26 @@ async def test_the_openai_client_chats_unchanged(make_gateway, chat_worker, vllm
     assert [t.token for t in mine.choices[0].logprobs.content] == \
         [t.token for t in vllms.choices[0].logprobs.content]
     assert mine.usage == vllms.usage
+
+
+async def test_completions_stop_strings_equal_vllms_own_server(make_gateway, chat_worker, vllm_server,
+                                                              policy):
+    gw = await make_gateway()
+    theirs_url = await vllm_server.ready()
+    request = dict(prompt=[1, 4, 20, 21, 7, 5], max_tokens=12, temperature=0, return_token_ids=True)
+    async with aiohttp.ClientSession() as http:
+        async def both(body: dict) -> tuple[dict, dict]:
+            async with http.post(f"{theirs_url}/v1/completions", json=body | {"model": "tiny"}) as r:
+                theirs = await r.json()
+            async with http.post(f"{gw.url}/v1/completions", json=body | {"model": policy},
+                                 headers=gw.headers()) as r:
+                ours = await r.json()
+                assert r.status == 200, ours
+            return ours["choices"][0], theirs["choices"][0]
+
+        _, plain = await both(request)
+        stop = plain["text"].split()[6]
+        ours, theirs = await both(request | {"stop": [stop]})
+    assert theirs["finish_reason"] == "stop" and theirs["stop_reason"] == stop
+    for key in ("text", "finish_reason", "stop_reason", "token_ids"):
+        assert ours[key] == theirs[key], key

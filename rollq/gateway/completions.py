@@ -81,12 +81,11 @@ def prompts_of(prompt: Any) -> list[list[int] | str]:
 
 
 def sampling_of(req: CompletionRequest) -> Sampling:
-    unsupported = dict(stream=req.stream, suffix=req.suffix, stop=req.stop, logit_bias=req.logit_bias,
+    unsupported = dict(stream=req.stream, suffix=req.suffix, logit_bias=req.logit_bias,
                        best_of=req.best_of not in (None, req.n) and req.best_of)
     for name, value in unsupported.items():
         if value:
-            hint = "; use stop_token_ids" if name == "stop" else ""
-            raise InvalidInput(name, f"is not supported by rollq's completions{hint}")
+            raise InvalidInput(name, "is not supported by rollq's completions")
     if req.echo and req.logprobs is not None:
         raise InvalidInput("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
     regex = None
@@ -103,8 +102,10 @@ def sampling_of(req: CompletionRequest) -> Sampling:
                  repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                  frequency_penalty=req.frequency_penalty, seed=req.seed, stop_token_ids=req.stop_token_ids,
                  max_tokens=req.max_tokens if req.max_tokens is not None else 16)
+    # Stop strings are matched on the worker, on text vLLM decodes there (the worker needs a tokenizer).
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return Sampling(**{k: v for k, v in given.items() if v is not None}, logprobs=req.logprobs or 0,
-                    regex=regex, extra=extra)
+                    regex=regex, extra=extra, stop=stop)
 
 
 class Waiter:
@@ -211,7 +212,8 @@ def response(req: CompletionRequest, job_id: str, results: list[GroupResult], pr
         for j, sample in enumerate(r.samples):
             ids = sample.token_ids
             completion_tokens += len(ids)
-            text = words.text(ids)
+            # With stop strings the worker decoded the text, which ends before the stop string.
+            text = sample.text if req.stop else words.text(ids)
             if req.echo:
                 text = (original if isinstance(original, str) else words.text(prompt_ids)) + text
             choice = dict(index=r.group_index * req.n + j, text=text,
