@@ -144,6 +144,9 @@ class Sampling(msgspec.Struct, **_WIRE):
     text: bool = False
     """Return decoded text (`Sample.text`, and token strings with logprobs): the engine
     detokenizes only when this or `stop` asks for it."""
+    prompt_logprobs: int | None = None
+    """Score the prompt: each prompt token's logprob and the top N at each position
+    (`GroupResult.prompt_scores`); None: not computed."""
 
 
 class Chat(msgspec.Struct, **_WIRE):
@@ -258,6 +261,9 @@ class GroupResult(msgspec.Struct, **_WIRE):
     """Submit to generation start."""
     generation_s: float = 0.0
     finished_at: float = 0.0
+    prompt_scores: Sample | None = None
+    """With `Sampling.prompt_logprobs`: the prompt as a scored sequence (its `tokens` are the
+    prompt, `logprobs[0]` is NaN: the first token has no context; `top()` as for samples)."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -366,6 +372,9 @@ def validate_sampling(s: Sampling, n: int, field: str = "sampling") -> None:
                            f"logprobs={s.logprobs} must be between 0 and {MAX_TOP_LOGPROBS}")
     if s.seed is not None and not 0 <= s.seed < 2**63:
         raise InvalidInput(f"{field}.seed", f"seed={s.seed} must be in [0, 2**63)")
+    if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidInput(f"{field}.prompt_logprobs",
+                           f"prompt_logprobs={s.prompt_logprobs} must be between 0 and {MAX_TOP_LOGPROBS}")
     if len(s.stop) > MAX_STOP_STRINGS:
         raise InvalidInput(f"{field}.stop", f"{len(s.stop)} stop strings; the limit is {MAX_STOP_STRINGS}")
     if any(not 0 < len(stop) <= MAX_STOP_CHARS for stop in s.stop):

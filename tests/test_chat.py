@@ -44,6 +44,7 @@ def test_chat_items_round_trip_and_old_items_still_decode():
     (Chat(HELLO), {"prompt": b"\x01\x00\x00\x00"}, "chat"),
     (Chat(HELLO), {"sampling": Sampling(stop=["w1"] * 65)}, "sampling.stop"),
     (Chat(HELLO), {"sampling": Sampling(stop=[""])}, "sampling.stop"),
+    (Chat(HELLO), {"sampling": Sampling(prompt_logprobs=21)}, "sampling.prompt_logprobs"),
 ])
 def test_invalid_chats_name_the_field(chat, fields, field):
     with pytest.raises(InvalidInput) as bad:

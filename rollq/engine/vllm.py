@@ -27,7 +27,8 @@ log = logging.getLogger("rollq.engine.vllm")
 # Fields the wire type owns: `extra` may not override them (n, logprobs and output kind are ours).
 _OWNED = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "max_tokens", "stop_token_ids", "seed", "logprobs",
-          "structured_outputs", "output_kind", "detokenize", "stop"}
+          "structured_outputs", "output_kind", "detokenize", "stop",
+          "prompt_logprobs"}
 
 
 class _SampleState:
@@ -92,6 +93,23 @@ def _ranked(entries: dict, token: int, top_n: int) -> list[tuple[int, float]]:
     if all(t != token for t, _ in best):
         best.append((token, entries[token].logprob))
     return best
+
+
+def _prompt_scores(output: Any, top_n: int | None) -> Sample | None:
+    """vLLM's prompt logprobs (None at position 0, then a dict per position) -> a scored Sample."""
+    if top_n is None or output.prompt_logprobs is None:
+        return None
+    ids = list(output.prompt_token_ids)
+    logprobs, counts, top_ids, top_values = [], bytearray(), array.array("i"), array.array("f")
+    for token, entries in zip(ids, output.prompt_logprobs):
+        ranked = _ranked(entries, token, top_n) if entries and top_n else []
+        logprobs.append(entries[token].logprob if entries else math.nan)
+        counts.append(len(ranked))
+        top_ids.extend(t for t, _ in ranked)
+        top_values.extend(v for _, v in ranked)
+    return Sample(tokens=pack_tokens(ids), logprobs=pack_floats(logprobs), finish_reason="prompt",
+                  top_counts=bytes(counts) if top_n else b"", top_ids=pack_tokens(top_ids),
+                  top_logprobs=pack_floats(top_values))
 
 
 class VLLMEngine:
@@ -188,7 +206,8 @@ class VLLMEngine:
             epoch = min(e for _, _, e in outputs)
             for i, (completion, v, _) in zip(cut, outputs):
                 states[i].extend(completion, v, item.sampling.logprobs)
-        return Generated([st.to_sample(version) for st in states], pack_tokens(prompt_ids))
+        return Generated([st.to_sample(version) for st in states], pack_tokens(prompt_ids),
+                         _prompt_scores(final, item.sampling.prompt_logprobs))
 
     async def _request(self, prompt: dict, params: Any, request_id: str):
         """One engine request -> (final output, version that ran it, swaps begun before it)."""
@@ -289,7 +308,7 @@ def sampling_params(s: Sampling, n: int):
             # 0 still returns the sampled token's own logprob, which every sample carries.
             logprobs=s.logprobs,
             structured_outputs=StructuredOutputsParams(regex=s.regex) if s.regex else None,
-            stop=list(s.stop) or None,
+            stop=list(s.stop) or None, prompt_logprobs=s.prompt_logprobs,
             # Decoding costs CPU per token: only when text or stop strings need it.
             output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(s.text or s.stop),
             **s.extra,
