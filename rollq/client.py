@@ -239,7 +239,7 @@ class RolloutClient:
         validate_n(n)
         job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
         window = _window(min_version, max_version, exact_version, max_staleness)
-        settings = msgspec.structs.replace(_sampling(sampling), text=True)
+        settings = msgspec.structs.replace(_sampling(sampling), return_text=True)
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
             raise InvalidInput("conversations", "must be a list of conversations (lists of messages)")
         shared = dict(tools=_typed("tools", tools, list[dict[str, Any]] | None),

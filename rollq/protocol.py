@@ -141,7 +141,7 @@ class Sampling(msgspec.Struct, **_WIRE):
     """Passed through to the engine's sampling parameters (validated by the engine)."""
     stop: list[str] = []
     """Stop strings: a sample ends before the first one its text contains (needs a tokenizer)."""
-    text: bool = False
+    return_text: bool = False
     """Return decoded text (`Sample.text`, and token strings with logprobs): the engine
     detokenizes only when this or `stop` asks for it."""
     prompt_logprobs: int | None = None
@@ -222,7 +222,7 @@ class Sample(msgspec.Struct, **_WIRE):
     top_logprobs: bytes = b""
     """...and their float32 logprobs."""
     text: str = ""
-    """Decoded completion text (when `Sampling.text` or stop strings asked for it)."""
+    """Decoded completion text (when `Sampling.return_text` or stop strings asked for it)."""
     token_texts: list[str] = []
     """With text and logprobs: the engine's string of each sampled token..."""
     top_texts: list[str] = []

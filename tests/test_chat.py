@@ -25,12 +25,12 @@ def _item(chat: Chat, **fields) -> WorkItem:
 def test_chat_items_round_trip_and_old_items_still_decode():
     chat = Chat(HELLO, tools=[{"type": "function", "function": {"name": "w12"}}],
                 chat_template_kwargs={"enable_thinking": True})
-    item = decode_item(encode(_item(chat, sampling=Sampling(stop=["w9"], text=True))))
-    assert item.chat == chat and item.sampling.stop == ["w9"] and item.sampling.text
+    item = decode_item(encode(_item(chat, sampling=Sampling(stop=["w9"], return_text=True))))
+    assert item.chat == chat and item.sampling.stop == ["w9"] and item.sampling.return_text
     # An item from before chat existed (no trailing fields) decodes with none of it.
     old = msgspec.msgpack.encode(["j", 0, b"\x01\x00\x00\x00", 1, [], 1.0])
     decoded = decode_item(old)
-    assert decoded.chat is None and decoded.sampling.stop == [] and not decoded.sampling.text
+    assert decoded.chat is None and decoded.sampling.stop == [] and not decoded.sampling.return_text
     old_sample = msgspec.msgpack.decode(msgspec.msgpack.encode([b"", b"", "stop"]), type=Sample)
     assert (old_sample.text, old_sample.token_texts, old_sample.top_texts) == ("", [], [])
 

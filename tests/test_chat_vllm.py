@@ -150,15 +150,15 @@ async def test_token_prompts_decode_only_when_asked_and_stop_at_stop_strings(mak
     greedy_ids = greedy(model, prompt, 12)
     stop_word = tokenizer.convert_ids_to_tokens(greedy_ids[5])
     for sampling in (Sampling(temperature=0, max_tokens=12, logprobs=1),
-                     Sampling(temperature=0, max_tokens=12, logprobs=1, text=True),
+                     Sampling(temperature=0, max_tokens=12, logprobs=1, return_text=True),
                      Sampling(temperature=0, max_tokens=12, stop=[stop_word])):
         await client.submit([prompt], 1, sampling)
         [result] = await client.take(1, timeout_s=120)
         [sample] = result.samples
-        if not sampling.text and not sampling.stop:  # the cheap path: nothing decoded
+        if not sampling.return_text and not sampling.stop:  # the cheap path: nothing decoded
             assert sample.token_ids == greedy_ids and (sample.text, sample.token_texts, sample.top_texts) == \
                 ("", [], [])
-        elif sampling.text:
+        elif sampling.return_text:
             assert sample.text.split() == tokenizer.convert_ids_to_tokens(greedy_ids)
             assert sample.token_texts == tokenizer.convert_ids_to_tokens(greedy_ids)
         else:

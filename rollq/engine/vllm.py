@@ -180,7 +180,7 @@ class VLLMEngine:
 
     async def generate_group(self, item: WorkItem) -> Generated:
         params = sampling_params(item.sampling, item.n)
-        if (item.sampling.text or item.sampling.stop) and not self.has_tokenizer:
+        if (item.sampling.return_text or item.sampling.stop) and not self.has_tokenizer:
             raise GroupError("text or stop strings asked for, but this worker's model has no tokenizer")
         if item.chat is not None:
             # Convert Chat --> prompt token ids, as vLLM's server renders a chat request.
@@ -310,7 +310,7 @@ def sampling_params(s: Sampling, n: int):
             structured_outputs=StructuredOutputsParams(regex=s.regex) if s.regex else None,
             stop=list(s.stop) or None, prompt_logprobs=s.prompt_logprobs,
             # Decoding costs CPU per token: only when text or stop strings need it.
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(s.text or s.stop),
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(s.return_text or s.stop),
             **s.extra,
         )
     except (VLLMClientError, ValueError, TypeError) as e:

@@ -91,7 +91,7 @@ def sampling_of(req: ChatCompletionRequest) -> Sampling:
                  max_tokens=max_tokens)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return Sampling(**{k: v for k, v in given.items() if v is not None}, logprobs=req.top_logprobs or 0,
-                    stop=stop, text=True, extra=extra)
+                    stop=stop, return_text=True, extra=extra)
 
 
 async def chat_completions(request: web.Request) -> web.Response:
