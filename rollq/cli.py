@@ -180,6 +180,8 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
 @click.option("--max-body-bytes", envvar="ROLLQ_MAX_BODY_BYTES", default=64 * 1024 * 1024, show_default=True)
 @click.option("--require-durable", is_flag=True, envvar="ROLLQ_REQUIRE_DURABLE",
               help="Refuse a Redis without AOF or with an evicting maxmemory-policy (else: warn).")
+@click.option("--trust-request-chat-template", is_flag=True, envvar="ROLLQ_TRUST_REQUEST_CHAT_TEMPLATE",
+              help="Chat requests may bring their own chat_template (it runs on the workers).")
 def gateway(policies: tuple[str, ...], weight_store: str | None, weight_roots: tuple[str, ...],
             **flags) -> None:
     """HTTP API, OpenAI-compatible completions, /metrics and the live dashboard."""

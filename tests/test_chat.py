@@ -82,6 +82,8 @@ async def test_a_worker_without_a_tokenizer_fails_the_group():
     ({"messages": [{"content": "w1"}]}, "messages[0].role"),
     ({"max_completion_tokens": 0}, "sampling.max_tokens"),
     ({"stop": ["w1"] * 65}, "sampling.stop"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "chat_template"),
 ])
 async def test_gateway_refuses_what_it_does_not_support_naming_the_field(make_gateway, policy, body, field):
     gw = await make_gateway()

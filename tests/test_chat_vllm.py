@@ -213,7 +213,7 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict, headers: dict
 
 
 async def test_chat_completions_equal_vllms_own_server(make_gateway, chat_worker, vllm_server, policy):
-    gw = await make_gateway()
+    gw = await make_gateway(trust_request_chat_template=True)  # as the server: for "own-template"
     theirs_url = await vllm_server.ready()
     async with aiohttp.ClientSession() as http:
         plain = await _post(http, theirs_url, BASE | {"model": "tiny"})

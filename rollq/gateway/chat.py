@@ -100,6 +100,11 @@ async def chat_completions(request: web.Request) -> web.Response:
     req = await read_body(request, ChatCompletionRequest)
     policy = allowed(who, req.model)
     sampling = sampling_of(req)
+    if not gw.settings.trust_request_chat_template and (
+            req.chat_template is not None or "chat_template" in (req.chat_template_kwargs or {})):
+        # As vLLM's server: a caller's template would run on every worker that renders it.
+        raise ApiError(400, "a request's chat template is refused: start the gateway with "
+                            "--trust-request-chat-template to allow it", "chat_template")
 
     def submit(client, job_id: str, window: dict):
         return client.submit_chat(

@@ -53,6 +53,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     """Quota of unfinished groups per trainer submitting through the gateway."""
     require_durable: bool = False
     """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
+    trust_request_chat_template: bool = False
+    """Let chat requests bring their own Jinja `chat_template` (vLLM's flag of the same name): a
+    template runs on the workers, and a slow one takes their CPU until vLLM's render timeout."""
 
     def validate(self) -> GatewaySettings:
         if self.tokens is None and not self.no_auth:
