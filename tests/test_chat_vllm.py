@@ -301,3 +301,16 @@ async def test_completions_echo_and_prompt_logprobs_equal_vllms_own_server(make_
             except AssertionError as e:
                 raise AssertionError(f"case {case}: {e}\nvLLM: {theirs}\nrollq: {ours}"[:6000]) from None
     assert len(theirs["prompt_logprobs"]) == 6 and theirs["prompt_logprobs"][0] is None
+
+
+async def test_a_worker_whose_model_has_no_tokenizer_fails_chats_and_stop_strings(make_client,
+                                                                                   make_vllm_worker):
+    make_vllm_worker()  # conftest's engine: a model directory without tokenizer files
+    client = make_client()
+    chat = await client.submit_chat([[USER]], 1, {"max_tokens": 4})
+    stop = await client.submit([[1, 5, 6]], 1, {"max_tokens": 4, "stop": ["w1"]})
+    tokens = await client.submit([[1, 5, 6]], 1, {"max_tokens": 4})
+    by_job = {r.job_id: r for r in await client.take(3, timeout_s=120)}
+    assert by_job[chat].status == "failed" and "no tokenizer" in by_job[chat].reason
+    assert by_job[stop].status == "failed" and "no tokenizer" in by_job[stop].reason
+    assert by_job[tokens].status == "ok"
