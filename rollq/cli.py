@@ -191,6 +191,8 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
               help="A request body that takes longer to arrive gets a 408.")
 @click.option("--max-connections", envvar="ROLLQ_GATEWAY_MAX_CONNECTIONS", default=1024, show_default=True,
               help="Connections beyond this get a 503 and are closed.")
+@click.option("--trust-request-chat-template", is_flag=True, envvar="ROLLQ_TRUST_REQUEST_CHAT_TEMPLATE",
+              help="Chat requests may bring their own chat_template (it runs on the workers).")
 def gateway(policies: tuple[str, ...], weight_store: str | None, weight_roots: tuple[str, ...],
             **flags) -> None:
     """HTTP API, OpenAI-compatible completions, /metrics and the live dashboard."""

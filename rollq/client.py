@@ -20,11 +20,13 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.protocol import (
     MAX_JOB_GROUPS,
+    Chat,
     GroupResult,
     InvalidInput,
     QueueFull,
@@ -33,6 +35,7 @@ from rollq.protocol import (
     WorkItem,
     check_id,
     check_trainer_id,
+    decode_item,
     encode,
     encode_meta,
     pack_tokens,
@@ -117,6 +120,13 @@ def _window(min_version: int | None, max_version: int | None, exact_version: int
     window = (min_version or 0, max_version, max_staleness)
     validate_window(*window)
     return window
+
+
+def _typed(field: str, value: Any, typ: Any) -> Any:
+    try:
+        return msgspec.convert(value, typ)
+    except msgspec.ValidationError as e:
+        raise InvalidInput(field, str(e)) from None
 
 
 def _sampling(sampling: Sampling | dict[str, Any] | None) -> Sampling:
@@ -206,7 +216,71 @@ class RolloutClient:
         items = self._encode_items(job_id, group_prompts(prompts, n, repeated), n,
                                    _sampling(sampling), deadline_s, window)
         meta_bytes = encode_meta(meta)
-        deadline = items[0][1]
+        return await self._enqueue(job_id, items, meta_bytes, window, wait, timeout_s)
+
+    async def submit_chat(
+        self,
+        conversations: Sequence[Sequence[dict[str, Any]]],
+        n: int = 1,
+        sampling: Sampling | dict[str, Any] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        job_id: str | None = None,
+        deadline_s: float | None = None,
+        meta: dict[str, Any] | None = None,
+        max_staleness: int | None = None,
+        min_version: int | None = None,
+        max_version: int | None = None,
+        exact_version: int | None = None,
+        wait: bool = True,
+        timeout_s: float | None = None,
+    ) -> str:
+        """Queue one group of `n` samples per conversation (a list of OpenAI chat messages).
+
+        The worker renders each conversation with its model's chat template exactly as vLLM's
+        OpenAI server does (`tools`, `chat_template_kwargs`, `chat_template`,
+        `add_generation_prompt`, `continue_final_message` as vLLM takes them); each result's
+        `prompt` holds the rendered token ids, and its samples carry decoded `text`. Otherwise
+        as `submit` (one round trip, idempotent `job_id`, quota, version window).
+        """
+        validate_n(n)
+        job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
+        window = _window(min_version, max_version, exact_version, max_staleness)
+        settings = msgspec.structs.replace(_sampling(sampling), return_text=True)
+        if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
+            raise InvalidInput("conversations", "must be a list of conversations (lists of messages)")
+        shared = dict(tools=_typed("tools", tools, list[dict[str, Any]] | None),
+                      chat_template=_typed("chat_template", chat_template, str | None),
+                      chat_template_kwargs=_typed("chat_template_kwargs", chat_template_kwargs or {},
+                                                  dict[str, Any]),
+                      add_generation_prompt=bool(add_generation_prompt),
+                      continue_final_message=bool(continue_final_message))
+        chats = [Chat(_typed(f"conversations[{i}]", messages, list[dict[str, Any]]), **shared)
+                 for i, messages in enumerate(conversations)]
+        # The prompts are placeholders: the items are built as for token prompts, then carry the chat.
+        placeholders = self._encode_items(job_id, [[0]] * len(chats), n, settings, deadline_s, window)
+        items = []
+        for i, ((data, deadline), chat) in enumerate(zip(placeholders, chats)):
+            try:
+                item = msgspec.structs.replace(decode_item(data), prompt=b"", chat=chat)
+                items.append((encode(item), deadline))
+                decode_item(items[-1][0])  # the limits of the conversation and of the whole item
+            except (OverflowError, TypeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
+                raise InvalidInput(f"conversations[{i}]", f"cannot be encoded: {e}") from None
+            except InvalidInput as e:
+                field = f"conversations[{i}]{e.field[4:]}" if e.field.startswith("chat") else e.field
+                raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
+        return await self._enqueue(job_id, items, encode_meta(meta), window, wait, timeout_s)
+
+    async def _enqueue(self, job_id: str, items: list[tuple[bytes, float]], meta: bytes,
+                       window: tuple[int, int | None, int | None], wait: bool,
+                       timeout_s: float | None) -> str:
+        """Enqueue encoded items in one round trip; without room in the quota, wait (polling
+        the cheap counter against the effective cap, not resending the batch) or raise."""
         give_up = time.monotonic() + timeout_s if timeout_s is not None else None
         delay = 0.01
         while True:
@@ -215,13 +289,12 @@ class RolloutClient:
                 await self._retrying(
                     jobs.enqueue, self.redis, self.scripts, self.keys, trainer=self.trainer_id,
                     job_id=job_id, items=[b for b, _ in items], quota=self.max_outstanding,
-                    deadline=deadline, meta=meta_bytes, min_version=window[0], max_version=window[1])
+                    deadline=items[0][1], meta=meta, min_version=window[0], max_version=window[1])
                 return job_id
             except QueueFull as full:
                 if full.never_fits or not wait or (give_up is not None and time.monotonic() >= give_up):
                     raise
                 limit = full.limit  # the effective cap: the operator's may be below ours
-            # Poll the cheap counter, not the whole batch, until there is room.
             while await jobs.outstanding(self.redis, self.keys, self.trainer_id) + len(items) > limit:
                 if give_up is not None and time.monotonic() >= give_up:
                     break

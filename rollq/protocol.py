@@ -39,6 +39,14 @@ MAX_JOB_GROUPS = 65_536
 MAX_ID_CHARS = 128
 """`job_id`, `trainer_id`, policy names."""
 MAX_RESULT_BYTES = 512 * 1024 * 1024
+MAX_CHAT_MESSAGES = 4096
+"""Messages of one conversation."""
+MAX_CHAT_BYTES = 1024 * 1024
+"""One conversation encoded: messages, tools, template and template kwargs together."""
+MAX_CHAT_TOOLS = 256
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+"""Per stop string."""
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
 """Matched with fullmatch: `$` would also match before a trailing newline."""
@@ -132,6 +140,29 @@ class Sampling(msgspec.Struct, **_WIRE):
     """Structured output: completions must match this regular expression."""
     extra: dict[str, Any] = {}
     """Passed through to the engine's sampling parameters (validated by the engine)."""
+    stop: list[str] = []
+    """Stop strings: a sample ends before the first one its text contains (needs a tokenizer)."""
+    return_text: bool = False
+    """Return decoded text (`Sample.text`, and token strings with logprobs): the engine
+    detokenizes only when this or `stop` asks for it."""
+    prompt_logprobs: int | None = None
+    """Score the prompt: each prompt token's logprob and the top N at each position
+    (`GroupResult.prompt_scores`); None: not computed."""
+
+
+class Chat(msgspec.Struct, **_WIRE):
+    """A conversation to render into prompt token ids with the worker model's chat template,
+    as vLLM's OpenAI server renders a `/v1/chat/completions` request."""
+
+    messages: list[dict[str, Any]]
+    """OpenAI chat messages (`role`, `content`, optional `tool_calls`, `name`, ...)."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI tool definitions, handed to the template (rollq never parses tool calls)."""
+    chat_template: str | None = None
+    """A Jinja template instead of the model's own."""
+    chat_template_kwargs: dict[str, Any] = {}
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class WorkItem(msgspec.Struct, **_WIRE):
@@ -158,6 +189,8 @@ class WorkItem(msgspec.Struct, **_WIRE):
     """...at most this (None: no upper bound)..."""
     max_staleness: int | None = None
     """...and at least (newest published version - max_staleness) when generation starts."""
+    chat: Chat | None = None
+    """A conversation instead of token ids or text (`prompt` and `text` empty)."""
 
 
 class ItemHeader(msgspec.Struct, array_like=True):
@@ -189,6 +222,12 @@ class Sample(msgspec.Struct, **_WIRE):
     """...int32 token ids of all positions' entries, best rank first..."""
     top_logprobs: bytes = b""
     """...and their float32 logprobs."""
+    text: str = ""
+    """Decoded completion text (when `Sampling.return_text` or stop strings asked for it)."""
+    token_texts: list[str] = []
+    """With text and logprobs: the engine's string of each sampled token..."""
+    top_texts: list[str] = []
+    """...and of each top-N entry, parallel to `top_ids`."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -226,6 +265,9 @@ class GroupResult(msgspec.Struct, **_WIRE):
     entry_id: str = ""
     """Its result-stream entry id, set by the reader (workers leave it empty): what
     `RolloutClient.ack` acknowledges."""
+    prompt_scores: Sample | None = None
+    """With `Sampling.prompt_logprobs`: the prompt as a scored sequence (its `tokens` are the
+    prompt, `logprobs[0]` is NaN: the first token has no context; `top()` as for samples)."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -359,6 +401,33 @@ def validate_sampling(s: Sampling, n: int, field: str = "sampling") -> None:
     if s.seed is not None and not 0 <= s.seed < 2**63:
         raise InvalidInput(f"{field}.seed", f"seed={s.seed} must be in [0, 2**63)")
     validate_extra(s.extra, s.max_tokens, f"{field}.extra")
+    if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidInput(f"{field}.prompt_logprobs",
+                           f"prompt_logprobs={s.prompt_logprobs} must be between 0 and {MAX_TOP_LOGPROBS}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise InvalidInput(f"{field}.stop", f"{len(s.stop)} stop strings; the limit is {MAX_STOP_STRINGS}")
+    if any(not 0 < len(stop) <= MAX_STOP_CHARS for stop in s.stop):
+        raise InvalidInput(f"{field}.stop", f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
+
+
+def validate_chat(chat: Chat, field: str = "chat") -> None:
+    """Shape and size only; roles and content are the chat template's business (on the worker)."""
+    if not chat.messages:
+        raise InvalidInput(f"{field}.messages", "is empty; a conversation needs at least one message")
+    if len(chat.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidInput(f"{field}.messages",
+                           f"has {len(chat.messages)} messages; the limit is {MAX_CHAT_MESSAGES}")
+    for i, message in enumerate(chat.messages):
+        if not isinstance(message.get("role"), str):
+            raise InvalidInput(f"{field}.messages[{i}].role", "every message needs a string `role`")
+    if chat.tools is not None and len(chat.tools) > MAX_CHAT_TOOLS:
+        raise InvalidInput(f"{field}.tools", f"has {len(chat.tools)} tools; the limit is {MAX_CHAT_TOOLS}")
+    if chat.add_generation_prompt and chat.continue_final_message:
+        raise InvalidInput(f"{field}.continue_final_message",
+                           "excludes add_generation_prompt (set add_generation_prompt to false)")
+    size = len(encode(chat))
+    if size > MAX_CHAT_BYTES:
+        raise InvalidInput(field, f"is {size} bytes encoded; the limit is {MAX_CHAT_BYTES}")
 
 
 def validate_prompt(prompt: bytes, field: str = "prompt") -> None:
@@ -394,7 +463,11 @@ def validate_item(item: WorkItem) -> None:
         raise InvalidInput("group_index", f"{item.group_index} is out of range [0, {MAX_JOB_GROUPS})")
     validate_n(item.n)
     validate_window(item.min_version, item.max_version, item.max_staleness)
-    if item.text:
+    if item.chat is not None:
+        if item.prompt or item.text:
+            raise InvalidInput("chat", "give a conversation, token ids or text: one of them")
+        validate_chat(item.chat)
+    elif item.text:
         if item.prompt:
             raise InvalidInput("prompt", "give token ids or text, not both")
         if len(item.text) > MAX_PROMPT_CHARS:

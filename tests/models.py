@@ -44,3 +44,37 @@ def token_logprobs(model: LlamaForCausalLM, prompt: list[int], completion: list[
     logits = model(ids).logits[0, len(prompt) - 1:-1].float()
     logprobs = torch.log_softmax(logits, dim=-1)
     return logprobs[torch.arange(len(completion)), torch.tensor(completion)].tolist()
+
+
+# A chat template in the style of real ones: roles as special tokens, `raise_exception` on an
+# unknown role, the tools handed to the template, and a template kwarg (`enable_thinking`).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools %}<|system|> tools:{% for t in tools %} {{ t.function.name }}{% endfor %} <|end|>"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown role: ' + m.role) }}{% endif %}"
+    "<|{{ m.role }}|> {{ m.content }}{% if not loop.last or m.role != 'assistant' %} <|end|>{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking %} <|think|>{% endif %}{% endif %}"
+)
+CHAT_SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",
+                 "<|end|>", "<|think|>"]
+
+
+def make_chat_model(path: Path, *, seed: int = 0) -> Path:
+    """The tiny model plus a word-level tokenizer over its whole vocabulary ("w9" .. "w511" and
+    the special tokens above, ids 0..8) and a chat template: a model vLLM's server can chat with."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    make_model(path, seed=seed)
+    vocab = {name: i for i, name in enumerate(CHAT_SPECIALS)}
+    vocab |= {f"w{i}": i for i in range(len(CHAT_SPECIALS), VOCAB)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.add_special_tokens([AddedToken(t, special=True) for t in CHAT_SPECIALS])
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    return path

@@ -77,7 +77,7 @@ async def test_text_prompts_with_a_gateway_tokenizer(make_gateway, make_vllm_wor
 async def test_openai_errors(oai, policy):
     with pytest.raises(openai.BadRequestError) as bad:
         await (await oai()).completions.create(model=policy, prompt=[[1, 2]], max_tokens=4, stop=["\n"])
-    assert bad.value.body["param"] == "stop" and "stop_token_ids" in bad.value.body["message"]
+    assert bad.value.body["param"] == "prompt" and "no tokenizer" in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError) as bad:
         await (await oai()).completions.create(model=policy, prompt=[[1, 2]], max_tokens=0)
     assert bad.value.body["param"] == "sampling.max_tokens"

@@ -12,6 +12,8 @@ class Generated(NamedTuple):
     """All n samples of the group, in index order."""
     prompt: bytes
     """The prompt's int32 token ids as the engine saw them (tokenized, for text prompts)."""
+    prompt_scores: Sample | None = None
+    """With `Sampling.prompt_logprobs`: the prompt's tokens scored by the model."""
 
 
 class GroupError(Exception):

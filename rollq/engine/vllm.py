@@ -19,6 +19,7 @@ import msgspec
 
 from rollq.config import VLLMSettings
 from rollq.engine.base import EngineDead, Generated, GroupError
+from rollq.engine.chat import ChatRenderer
 from rollq.protocol import Sample, Sampling, WorkItem, pack_floats, pack_tokens, unpack_tokens
 
 log = logging.getLogger("rollq.engine.vllm")
@@ -26,7 +27,8 @@ log = logging.getLogger("rollq.engine.vllm")
 # Fields the wire type owns: `extra` may not override them (n, logprobs and output kind are ours).
 _OWNED = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "max_tokens", "stop_token_ids", "seed", "logprobs",
-          "structured_outputs", "output_kind", "detokenize"}
+          "structured_outputs", "output_kind", "detokenize", "stop",
+          "prompt_logprobs"}
 
 
 class _SampleState:
@@ -39,6 +41,9 @@ class _SampleState:
         self.versions: list[tuple[int, int]] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.text = ""
+        self.token_texts: list[str] = []
+        self.top_texts: list[str] = []
 
     def extend(self, completion: Any, version: int, top_n: int) -> None:
         """Append a request's output; `version`: the engine's version when it was sent."""
@@ -51,8 +56,14 @@ class _SampleState:
         positions = completion.logprobs or []
         self.logprobs += [positions[i][t].logprob if i < len(positions) else math.nan
                           for i, t in enumerate(tokens)]
-        if top_n:
-            self.top += [_ranked(entries, token, top_n) for token, entries in zip(tokens, positions)]
+        top = [_ranked(entries, token, top_n) for token, entries in zip(tokens, positions)] if top_n else []
+        self.top += top
+        self.text += completion.text or ""
+        if positions and tokens and positions[0][tokens[0]].decoded_token is not None:
+            # Detokenized: token strings as vLLM's server shows them, from vLLM's own decoding.
+            self.token_texts += [positions[i][t].decoded_token for i, t in enumerate(tokens)]
+            self.top_texts += [positions[i][t].decoded_token for i, ranked in enumerate(top)
+                               for t, _ in ranked]
         self.tokens += tokens
         self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
 
@@ -65,7 +76,8 @@ class _SampleState:
         return Sample(tokens=pack_tokens(self.tokens), logprobs=pack_floats(self.logprobs),
                       finish_reason=self.finish_reason or "abort", stop_reason=self.stop_reason,
                       versions=self.versions or [(version, 0)], top_counts=bytes(counts),
-                      top_ids=pack_tokens(ids), top_logprobs=pack_floats(values))
+                      top_ids=pack_tokens(ids), top_logprobs=pack_floats(values), text=self.text,
+                      token_texts=self.token_texts, top_texts=self.top_texts)
 
 
 class _Span(msgspec.Struct):
@@ -83,6 +95,23 @@ def _ranked(entries: dict, token: int, top_n: int) -> list[tuple[int, float]]:
     return best
 
 
+def _prompt_scores(output: Any, top_n: int | None) -> Sample | None:
+    """vLLM's prompt logprobs (None at position 0, then a dict per position) -> a scored Sample."""
+    if top_n is None or output.prompt_logprobs is None:
+        return None
+    ids = list(output.prompt_token_ids)
+    logprobs, counts, top_ids, top_values = [], bytearray(), array.array("i"), array.array("f")
+    for token, entries in zip(ids, output.prompt_logprobs):
+        ranked = _ranked(entries, token, top_n) if entries and top_n else []
+        logprobs.append(entries[token].logprob if entries else math.nan)
+        counts.append(len(ranked))
+        top_ids.extend(t for t, _ in ranked)
+        top_values.extend(v for _, v in ranked)
+    return Sample(tokens=pack_tokens(ids), logprobs=pack_floats(logprobs), finish_reason="prompt",
+                  top_counts=bytes(counts) if top_n else b"", top_ids=pack_tokens(top_ids),
+                  top_logprobs=pack_floats(top_values))
+
+
 class VLLMEngine:
     def __init__(self, llm: Any, *, version: int = 0, has_tokenizer: bool = False,
                  weights_path: str = ""):
@@ -98,6 +127,7 @@ class VLLMEngine:
         self._swap_done = asyncio.Event()
         self._dead = ""
         """Why the engine can serve no more (a failed load whose fallback failed too)."""
+        self._chat = ChatRenderer(llm, has_tokenizer)
 
     @classmethod
     async def start(cls, settings: VLLMSettings, *, version: int = 0) -> VLLMEngine:
@@ -156,10 +186,15 @@ class VLLMEngine:
 
     async def generate_group(self, item: WorkItem) -> Generated:
         params = sampling_params(item.sampling, item.n)
-        if item.text:
+        if (item.sampling.return_text or item.sampling.stop) and not self.has_tokenizer:
+            raise GroupError("text or stop strings asked for, but this worker's model has no tokenizer")
+        if item.chat is not None:
+            # Convert Chat --> prompt token ids, as vLLM's server renders a chat request.
+            prompt: Any = await self._chat.render(item.chat, item.sampling.max_tokens)
+        elif item.text:
             if not self.has_tokenizer:
                 raise GroupError("text prompt, but this worker's model has no tokenizer: send token ids")
-            prompt: dict[str, Any] = {"prompt": item.text}
+            prompt = {"prompt": item.text}
         else:
             prompt = {"prompt_token_ids": self._checked(unpack_tokens(item.prompt))}
         request_id = f"{item.job_id}-{item.group_index}-{uuid.uuid4().hex[:8]}"
@@ -177,7 +212,8 @@ class VLLMEngine:
             epoch = min(e for _, _, e in outputs)
             for i, (completion, v, _) in zip(cut, outputs):
                 states[i].extend(completion, v, item.sampling.logprobs)
-        return Generated([st.to_sample(version) for st in states], pack_tokens(prompt_ids))
+        return Generated([st.to_sample(version) for st in states], pack_tokens(prompt_ids),
+                         _prompt_scores(final, item.sampling.prompt_logprobs))
 
     def _checked(self, ids: list[int]) -> list[int]:
         """vLLM does not check ids against the model without a tokenizer: one id outside the
@@ -328,7 +364,9 @@ def sampling_params(s: Sampling, n: int):
             # 0 still returns the sampled token's own logprob, which every sample carries.
             logprobs=s.logprobs,
             structured_outputs=StructuredOutputsParams(regex=s.regex) if s.regex else None,
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False,
+            stop=list(s.stop) or None, prompt_logprobs=s.prompt_logprobs,
+            # Decoding costs CPU per token: only when text or stop strings need it.
+            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(s.return_text or s.stop),
             **s.extra,
         )
     except (VLLMClientError, ValueError, TypeError) as e:

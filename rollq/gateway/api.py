@@ -8,19 +8,22 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from rollq.client import RolloutClient
 from rollq.gateway import completions as oai
 from rollq.gateway.auth import Principal, allowed
 from rollq.gateway.http import JSON, ApiError, read_body, reply
 from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch,
                                   SubmitRequest, Submitted, VersionList, result_view, version_view)
 from rollq.gateway.state import GATEWAY, Gateway
-from rollq.protocol import InvalidInput
+from rollq.protocol import GroupResult, InvalidInput
 from rollq.queue import jobs
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
@@ -232,19 +235,33 @@ async def completions(request: web.Request) -> web.Response:
     policy = allowed(who, req.model)
     prompts = oai.prompts_of(req.prompt)
     sampling = oai.sampling_of(req)
+    sent = [gw.encode_text(p) for p in prompts]
+
+    def submit(client: RolloutClient, job_id: str, window: dict) -> Awaitable[str]:
+        return client.submit(sent, req.n, sampling, job_id=job_id, deadline_s=req.timeout_s, wait=False,
+                             **window)
+
+    job_id = oai.new_job_id()
+    results = await run_job(gw, policy, who, job_id, len(sent), req, submit)
+    body = oai.response(req, job_id, results, prompts, gw.words)
+    return web.Response(body=msgspec.json.encode(body), content_type=JSON)
+
+
+async def run_job(gw: Gateway, policy: str, who: Principal, job_id: str, groups: int, req: Any,
+                  submit: Callable[[RolloutClient, str, dict], Awaitable[str]]) -> list[GroupResult]:
+    """Submit one job as the caller's completions trainer and wait for all its groups' results
+    (the OpenAI-compatible routes). `req` gives `timeout_s` and the version window; a caller
+    that leaves or times out cancels the job, which frees the workers."""
     if not 0 < req.timeout_s <= 86_400:
         raise ApiError(400, f"timeout_s={req.timeout_s} must be in (0, 86400]", "timeout_s")
-    sent = [gw.encode_text(p) for p in prompts]
     trainer = gw.completions_trainer(who.trainer)
     router = gw.router(policy, trainer)
-    job_id = oai.new_job_id()
-    waiter = router.expect(job_id, len(sent))
+    waiter = router.expect(job_id, groups)
+    window = dict(max_staleness=req.max_staleness, min_version=req.min_version,
+                  max_version=req.max_version, exact_version=req.exact_version)
     finished = False
     try:
-        await gw.client(policy, trainer).submit(
-            sent, req.n, sampling, job_id=job_id, deadline_s=req.timeout_s, wait=False,
-            max_staleness=req.max_staleness, min_version=req.min_version, max_version=req.max_version,
-            exact_version=req.exact_version)
+        await submit(gw.client(policy, trainer), job_id, window)
         async with asyncio.timeout(req.timeout_s + 30):  # the deadline ends the groups before this
             await waiter.done
         finished = True
@@ -254,8 +271,7 @@ async def completions(request: web.Request) -> web.Response:
         router.forget(job_id)
         if not finished:  # the caller left or timed out: free the workers
             await asyncio.shield(_cancel_quietly(gw, policy, trainer, job_id))
-    body = oai.response(req, job_id, list(waiter.results.values()), prompts, gw.words)
-    return web.Response(body=msgspec.json.encode(body), content_type=JSON)
+    return list(waiter.results.values())
 
 
 async def _cancel_quietly(gw: Gateway, policy: str, trainer: str, job_id: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from rollq.gateway import api
+from rollq.gateway.chat import ChatCompletionRequest, chat_completions
 from rollq.gateway.completions import CompletionRequest
 from rollq.gateway.http import BODY_TIMEOUT, ApiError, errors
 from rollq.gateway.openapi import Param, openapi_document
@@ -94,6 +95,9 @@ ROUTES = [
           errors=(401,)),
     Route("POST", "/v1/completions", api.completions, "OpenAI/vLLM-compatible completions via the queue",
           "openai", body=CompletionRequest, errors=(400, 401, 403, 409, 413, 429, 504)),
+    Route("POST", "/v1/chat/completions", chat_completions,
+          "OpenAI/vLLM-compatible chat completions via the queue (rendered on the workers)", "openai",
+          body=ChatCompletionRequest, errors=(400, 401, 403, 409, 413, 429, 504)),
     Route("GET", "/health", api.health, "200 when the gateway and its Redis are up", "operations",
           public=True, media="", errors=(503,)),
     # Behind a token by default: they name every trainer and show failure reasons.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -57,6 +58,8 @@ class CompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's: score the prompt, top N per position (`echo` with `logprobs` implies it)."""
     # rollq's own: the version window (see RolloutClient.submit) and how long to wait.
     max_staleness: int | None = None
     min_version: int | None = None
@@ -81,14 +84,11 @@ def prompts_of(prompt: Any) -> list[list[int] | str]:
 
 
 def sampling_of(req: CompletionRequest) -> Sampling:
-    unsupported = dict(stream=req.stream, suffix=req.suffix, stop=req.stop, logit_bias=req.logit_bias,
+    unsupported = dict(stream=req.stream, suffix=req.suffix, logit_bias=req.logit_bias,
                        best_of=req.best_of not in (None, req.n) and req.best_of)
     for name, value in unsupported.items():
         if value:
-            hint = "; use stop_token_ids" if name == "stop" else ""
-            raise InvalidInput(name, f"is not supported by rollq's completions{hint}")
-    if req.echo and req.logprobs is not None:
-        raise InvalidInput("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
+            raise InvalidInput(name, "is not supported by rollq's completions")
     regex = None
     if req.structured_outputs:
         if set(req.structured_outputs) - {"regex"}:
@@ -103,8 +103,13 @@ def sampling_of(req: CompletionRequest) -> Sampling:
                  repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                  frequency_penalty=req.frequency_penalty, seed=req.seed, stop_token_ids=req.stop_token_ids,
                  max_tokens=req.max_tokens if req.max_tokens is not None else 16)
+    # Stop strings are matched on the worker, on text vLLM decodes there (the worker needs a tokenizer).
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:  # as vLLM: echoed logprobs cover the prompt too
+        prompt_logprobs = req.logprobs
     return Sampling(**{k: v for k, v in given.items() if v is not None}, logprobs=req.logprobs or 0,
-                    regex=regex, extra=extra)
+                    regex=regex, extra=extra, stop=stop, prompt_logprobs=prompt_logprobs)
 
 
 class Waiter:
@@ -186,16 +191,40 @@ class TokenText:
         return self.tokenizer.decode([token_id])
 
 
-def _logprobs(sample: Sample, words: TokenText, as_ids: bool) -> dict:
-    ids, values = sample.token_ids, sample.token_logprobs
-    tokens = [words.token(t, as_ids) for t in ids]
-    top = sample.top() if sample.top_counts else [[(t, v)] for t, v in zip(ids, values)]
+def _logprobs(sample: Sample, words: TokenText, as_ids: bool, echoed: Sample | None = None) -> dict:
+    """OpenAI's completion logprobs; with `echoed` (the scored prompt) its tokens come first,
+    the first one without a logprob, as vLLM's `echo`."""
+    tokens, values, top = [], [], []
+    for scored in (echoed, sample) if echoed is not None else (sample,):
+        ids, logprobs = scored.token_ids, scored.token_logprobs
+        tokens += [words.token(t, as_ids) for t in ids]
+        values += [None if math.isnan(v) else v for v in logprobs]
+        ranked = scored.top() if scored.top_counts else [[(t, v)] for t, v in zip(ids, logprobs)]
+        top += [{words.token(t, as_ids): v for t, v in position} if position else None
+                for position in ranked]
+    if echoed is not None:
+        top[0] = None
     offsets, at = [], 0
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    return dict(tokens=tokens, token_logprobs=values, text_offset=offsets,
-                top_logprobs=[{words.token(t, as_ids): v for t, v in position} for position in top])
+    return dict(tokens=tokens, token_logprobs=values, text_offset=offsets, top_logprobs=top)
+
+
+def _prompt_logprobs(scored: Sample | None, top_n: int, words: TokenText) -> list | None:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} per position. Ranks travel for the top N only: a prompt token outside them
+    has rank None here (vLLM gives its rank)."""
+    if scored is None:
+        return None
+    ids, values = scored.token_ids, scored.token_logprobs
+    ranked = scored.top() if scored.top_counts else [[(t, v)] for t, v in zip(ids, values)]
+    out: list = [None]
+    for position in ranked[1:]:
+        out.append({str(t): dict(logprob=max(v, -9999.0), rank=rank + 1 if rank < top_n else None,
+                                 decoded_token=words.token(t, False) if words.tokenizer else None)
+                    for rank, (t, v) in enumerate(position)})
+    return out
 
 
 def response(req: CompletionRequest, job_id: str, results: list[GroupResult], prompts: list,
@@ -211,12 +240,12 @@ def response(req: CompletionRequest, job_id: str, results: list[GroupResult], pr
         for j, sample in enumerate(r.samples):
             ids = sample.token_ids
             completion_tokens += len(ids)
-            text = words.text(ids)
-            if req.echo:
-                text = (original if isinstance(original, str) else words.text(prompt_ids)) + text
+            text = _text(req, sample, original, prompt_ids, words)
+            echoed = r.prompt_scores if req.echo else None
             choice = dict(index=r.group_index * req.n + j, text=text,
-                          logprobs=_logprobs(sample, words, req.return_tokens_as_token_ids)
+                          logprobs=_logprobs(sample, words, req.return_tokens_as_token_ids, echoed)
                           if req.logprobs is not None else None,
+                          prompt_logprobs=_prompt_logprobs(r.prompt_scores, sampling_top(req), words),
                           finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
                           policy_versions=[list(v) for v in sample.versions])
             if req.return_token_ids:
@@ -225,6 +254,24 @@ def response(req: CompletionRequest, job_id: str, results: list[GroupResult], pr
     return dict(id=job_id, object="text_completion", created=int(time.time()), model=req.model,
                 choices=choices, usage=dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                             total_tokens=prompt_tokens + completion_tokens))
+
+
+def _text(req: CompletionRequest, sample: Sample, original: Any, prompt_ids: list[int],
+          words: TokenText) -> str:
+    # With stop strings the worker decoded the text, which ends before the stop string.
+    text = sample.text if req.stop else words.text(sample.token_ids)
+    if not req.echo:
+        return text
+    if isinstance(original, str):
+        return original + text
+    if req.stop:
+        return words.text(prompt_ids) + text
+    return words.text(prompt_ids + sample.token_ids)  # in one piece: a tokenizer may join them with a space
+
+
+def sampling_top(req: CompletionRequest) -> int:
+    """The N of the prompt's top-N logprobs the workers were asked for."""
+    return (req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs) or 0
 
 
 def new_job_id() -> str:

@@ -63,6 +63,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     """Reading a request body longer than this ends in a 408."""
     max_connections: int = 1024
     """Connections beyond this are answered 503 and closed at once."""
+    trust_request_chat_template: bool = False
+    """Let chat requests bring their own Jinja `chat_template` (vLLM's flag of the same name): a
+    template runs on the workers, and a slow one takes their CPU until vLLM's render timeout."""
 
     def validate(self) -> GatewaySettings:
         if self.tokens is None and not self.no_auth:

@@ -294,7 +294,7 @@ class Worker:
             log.error("group %s/%s: %s", item.job_id, item.group_index, outside)
             return GroupResult(status="failed", reason=f"internal error: {outside}", **partial)
         partial["prompt"] = generated.prompt
-        return GroupResult(status="ok", samples=generated.samples,
+        return GroupResult(status="ok", samples=generated.samples, prompt_scores=generated.prompt_scores,
                            queued_s=max(0.0, started - item.submitted_at),
                            generation_s=time.time() - started, finished_at=time.time(), **partial)
 

@@ -1,0 +1,316 @@
+"""Chat through the queue on a real vLLM (CPU) worker, against Hugging Face transformers and
+against vLLM's own OpenAI server: the same chat requests to both must give the same JSON.
+
+One vLLM server (a subprocess) and one in-process engine serve this module, on one tiny model
+made here with a word-level tokenizer and a chat template (tests/models.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from models import greedy, load_reference, make_chat_model, token_logprobs
+
+from rollq.faults import free_port
+from rollq.protocol import Sampling
+from rollq.worker.pool import reap_group
+
+LOGPROB_TOLERANCE = 1e-4
+SYSTEM = {"role": "system", "content": "w10 w11 w12"}
+USER = {"role": "user", "content": "w20 w21 w22 w23"}
+TOOLS = [{"type": "function", "function": {"name": "w33", "description": "w34", "parameters": {}}},
+         {"type": "function", "function": {"name": "w44", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return make_chat_model(tmp_path_factory.mktemp("chat-model") / "m")
+
+
+class VLLMServer:
+    """`python -m vllm.entrypoints.openai.api_server` on a free loopback port, in its own session."""
+
+    def __init__(self, model: Path, log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
+             "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
+             # rollq's workers accept a request's chat_template; vLLM only with this flag.
+             "--trust-request-chat-template"],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"})
+
+    async def ready(self, timeout_s: float = 600) -> str:
+        give_up = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < give_up:
+                assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+                try:
+                    async with http.get(f"{self.url}/health") as r:
+                        if r.status == 200:
+                            return self.url
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.5)
+        raise AssertionError(f"vLLM's server did not come up in {timeout_s} s")
+
+    def close(self) -> None:
+        reap_group(self.proc.pid)
+        self.proc.wait(30)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(chat_model, tmp_path_factory):
+    server = VLLMServer(chat_model, tmp_path_factory.mktemp("vllm-server") / "server.log")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+async def chat_engine(chat_model, vllm_server):
+    """The rollq side's engine, started while vLLM's server starts (it depends on it for that)."""
+    from conftest import engine_flags
+
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(chat_model)).validate())
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture(scope="module")
+def chat_reference(chat_model):
+    from transformers import AutoTokenizer
+
+    return load_reference(chat_model), AutoTokenizer.from_pretrained(chat_model)
+
+
+@pytest.fixture
+async def chat_worker(make_worker, chat_engine):
+    return make_worker(engine=chat_engine, max_inflight=32, max_inflight_seqs=32)
+
+
+async def test_submit_chat_renders_and_generates_like_transformers(make_client, chat_worker, chat_reference):
+    model, tokenizer = chat_reference
+    client = make_client()
+    conversation = [SYSTEM, USER]
+    await client.submit_chat([conversation], 1, {"temperature": 0, "max_tokens": 10, "logprobs": 2},
+                             tools=TOOLS, chat_template_kwargs={"enable_thinking": True})
+    [result] = await client.take(1, timeout_s=120)
+    assert result.status == "ok", result.reason
+    expected_prompt = tokenizer.apply_chat_template(conversation, tools=TOOLS, enable_thinking=True,
+                                                    add_generation_prompt=True, tokenize=True)
+    expected_prompt = getattr(expected_prompt, "input_ids", expected_prompt)
+    # ... <|assistant|> <|think|>: the template kwarg reached the template.
+    assert result.prompt_ids == expected_prompt and result.prompt_ids[-2:] == [5, 8]
+    [sample] = result.samples
+    assert sample.token_ids == greedy(model, expected_prompt, 10)
+    expected = token_logprobs(model, expected_prompt, sample.token_ids)
+    assert max(abs(a - b) for a, b in zip(sample.token_logprobs, expected)) < LOGPROB_TOLERANCE
+    words = tokenizer.convert_ids_to_tokens(sample.token_ids)
+    assert sample.text.split() == [w for w in words if w != "</s>"] and sample.token_texts[0] == words[0]
+    assert len(sample.top_texts) == len(sample.top_ids) // 4 and sample.top_texts[0] == words[0]
+
+
+async def test_rendering_errors_fail_their_group_and_the_worker_goes_on(make_client, chat_worker):
+    client = make_client()
+    jobs = [await client.submit_chat([[USER, {"role": "wizard", "content": "w5"}]], 1, {"max_tokens": 4}),
+            await client.submit_chat([[USER]], 1, {"max_tokens": 4},
+                                     chat_template="{{ raise_exception('w9 broke') }}"),
+            await client.submit_chat([[USER]], 1, {"max_tokens": 300}),  # more than a 256-token context
+            await client.submit_chat([[USER]], 1, {"max_tokens": 4})]
+    by_job = {r.job_id: r for r in await client.take(4, timeout_s=120)}
+    unknown_role, raising, too_long, fine = (by_job[j] for j in jobs)
+    assert [r.status for r in (unknown_role, raising, too_long)] == ["failed"] * 3
+    assert unknown_role.reason == "cannot render the chat: VLLMValidationError: unknown role: wizard"
+    assert raising.reason.endswith("w9 broke")
+    assert "max_completion_tokens=300 cannot be greater than max_model_len=256" in too_long.reason
+    assert fine.status == "ok" and len(fine.samples[0].token_ids) == 4
+
+
+async def test_token_prompts_decode_only_when_asked_and_stop_at_stop_strings(make_client, chat_worker,
+                                                                             chat_reference):
+    model, tokenizer = chat_reference
+    client = make_client()
+    prompt = [1, 4, 20, 21, 7, 5]
+    greedy_ids = greedy(model, prompt, 12)
+    stop_word = tokenizer.convert_ids_to_tokens(greedy_ids[5])
+    for sampling in (Sampling(temperature=0, max_tokens=12, logprobs=1),
+                     Sampling(temperature=0, max_tokens=12, logprobs=1, return_text=True),
+                     Sampling(temperature=0, max_tokens=12, stop=[stop_word])):
+        await client.submit([prompt], 1, sampling)
+        [result] = await client.take(1, timeout_s=120)
+        [sample] = result.samples
+        if not sampling.return_text and not sampling.stop:  # the cheap path: nothing decoded
+            assert sample.token_ids == greedy_ids and (sample.text, sample.token_texts, sample.top_texts) == \
+                ("", [], [])
+        elif sampling.return_text:
+            assert sample.text.split() == tokenizer.convert_ids_to_tokens(greedy_ids)
+            assert sample.token_texts == tokenizer.convert_ids_to_tokens(greedy_ids)
+        else:
+            first = greedy_ids.index(greedy_ids[5])  # the stop word may occur earlier
+            assert sample.finish_reason == "stop" and sample.stop_reason == stop_word
+            assert sample.token_ids == greedy_ids[:first + 1]  # vLLM keeps the token, cuts the text
+            assert stop_word not in sample.text
+            assert sample.text.split() == tokenizer.convert_ids_to_tokens(greedy_ids[:first])
+
+
+# --- the differential test: rollq's gateway and vLLM's server, the same requests ------------------
+
+BASE = dict(messages=[SYSTEM, USER], max_tokens=12, temperature=0, return_token_ids=True)
+CASES = {
+    "plain": {},
+    "logprobs-top3": dict(logprobs=True, top_logprobs=3),
+    "logprobs": dict(logprobs=True),
+    "tools-none-kwargs": dict(tools=TOOLS, tool_choice="none",
+                              chat_template_kwargs={"enable_thinking": True}),
+    "n3-seeded": dict(n=3, temperature=1.0, seed=11, max_tokens=8, logprobs=True, top_logprobs=2,
+                      return_tokens_as_token_ids=True),
+    "continue-final": dict(messages=[USER, {"role": "assistant", "content": "w40 w41"}],
+                           add_generation_prompt=False, continue_final_message=True, max_completion_tokens=6),
+    "own-template": dict(chat_template="{% for m in messages %}{{ m.content }} {% endfor %}"),
+}
+IGNORED = {"id", "created", "model", "system_fingerprint"}  # present on both sides; values are the server's
+EXTENSIONS = {"policy_versions"}
+
+
+def assert_same(ours, theirs, path: str = "$") -> None:
+    """Equal JSON (keys, values; floats within LOGPROB_TOLERANCE), rollq's extensions aside."""
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict) and set(ours) - EXTENSIONS == set(theirs), \
+            f"{path}: keys {sorted(set(ours) - EXTENSIONS)} != vLLM's {sorted(theirs)}"
+        for key in set(theirs) - IGNORED:
+            assert_same(ours[key], theirs[key], f"{path}.{key}")
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs), f"{path}: {ours} != {theirs}"
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same(a, b, f"{path}[{i}]")
+    elif isinstance(theirs, float) and not isinstance(ours, bool):
+        assert abs(ours - theirs) < LOGPROB_TOLERANCE, f"{path}: {ours} != {theirs}"
+    else:
+        assert ours == theirs, f"{path}: {ours!r} != vLLM's {theirs!r}"
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> dict:
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        data = await r.json()
+        assert r.status == 200, data
+        return data
+
+
+async def test_chat_completions_equal_vllms_own_server(make_gateway, chat_worker, vllm_server, policy):
+    gw = await make_gateway(trust_request_chat_template=True)  # as the server: for "own-template"
+    theirs_url = await vllm_server.ready()
+    async with aiohttp.ClientSession() as http:
+        plain = await _post(http, theirs_url, BASE | {"model": "tiny"})
+        words = plain["choices"][0]["message"]["content"].split()
+        cases = CASES | {"stop": dict(stop=[words[4], "w999"])}
+        for name, case in cases.items():
+            theirs = await _post(http, theirs_url, BASE | case | {"model": "tiny"})
+            ours = await _post(http, gw.url, BASE | case | {"model": policy}, gw.headers())
+            try:
+                assert_same(ours, theirs)
+            except AssertionError as e:
+                raise AssertionError(f"case {name}: {e}\nvLLM: {theirs}\nrollq: {ours}"[:6000]) from None
+            assert all(c["policy_versions"] == [[0, 0]] for c in ours["choices"])
+    assert plain["choices"][0]["finish_reason"] == "length" and len(words) == 12
+    assert theirs["choices"][0]["finish_reason"] == "stop" and theirs["choices"][0]["stop_reason"] == words[4]
+
+
+async def test_the_openai_client_chats_unchanged(make_gateway, chat_worker, vllm_server, policy):
+    gw = await make_gateway()
+    theirs_url = await vllm_server.ready()
+    request = dict(messages=[SYSTEM, USER], max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    token = gw.tokens["alice"]
+    async with (openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=token, max_retries=0) as ours,
+                openai.AsyncOpenAI(base_url=f"{theirs_url}/v1", api_key="-", max_retries=0) as theirs):
+        mine = await ours.chat.completions.create(model=policy, **request)
+        vllms = await theirs.chat.completions.create(model="tiny", **request)
+    assert mine.object == "chat.completion" and mine.choices[0].message.role == "assistant"
+    assert mine.choices[0].message.content == vllms.choices[0].message.content != ""
+    assert [t.token for t in mine.choices[0].logprobs.content] == \
+        [t.token for t in vllms.choices[0].logprobs.content]
+    assert mine.usage == vllms.usage
+
+
+async def test_completions_stop_strings_equal_vllms_own_server(make_gateway, chat_worker, vllm_server,
+                                                              policy):
+    gw = await make_gateway()
+    theirs_url = await vllm_server.ready()
+    request = dict(prompt=[1, 4, 20, 21, 7, 5], max_tokens=12, temperature=0, return_token_ids=True)
+    async with aiohttp.ClientSession() as http:
+        async def both(body: dict) -> tuple[dict, dict]:
+            async with http.post(f"{theirs_url}/v1/completions", json=body | {"model": "tiny"}) as r:
+                theirs = await r.json()
+            async with http.post(f"{gw.url}/v1/completions", json=body | {"model": policy},
+                                 headers=gw.headers()) as r:
+                ours = await r.json()
+                assert r.status == 200, ours
+            return ours["choices"][0], theirs["choices"][0]
+
+        _, plain = await both(request)
+        stop = plain["text"].split()[6]
+        ours, theirs = await both(request | {"stop": [stop]})
+    assert theirs["finish_reason"] == "stop" and theirs["stop_reason"] == stop
+    for key in ("text", "finish_reason", "stop_reason", "token_ids"):
+        assert ours[key] == theirs[key], key
+
+
+async def test_completions_echo_and_prompt_logprobs_equal_vllms_own_server(make_gateway, chat_worker,
+                                                                           vllm_server, chat_model, policy):
+    from rollq.gateway.app import load_tokenizer
+
+    gw = await make_gateway(tokenizer=load_tokenizer(str(chat_model)))  # names tokens as vLLM does
+    theirs_url = await vllm_server.ready()
+    base = dict(prompt=[1, 4, 20, 21, 7, 5], max_tokens=6, temperature=0)
+    async with aiohttp.ClientSession() as http:
+        for case in (dict(echo=True, logprobs=2), dict(prompt_logprobs=3),
+                     dict(prompt_logprobs=0, logprobs=1)):
+            async with http.post(f"{theirs_url}/v1/completions", json=base | case | {"model": "tiny"}) as r:
+                [theirs] = (await r.json())["choices"]
+            async with http.post(f"{gw.url}/v1/completions", json=base | case | {"model": policy},
+                                 headers=gw.headers()) as r:
+                [ours] = (await r.json())["choices"]
+                assert r.status == 200, ours
+            # Known differences: the gateway decodes completion text itself (vLLM's incremental
+            # decoding adds a leading space here), and ranks travel only for the top N.
+            assert ours["text"].split() == theirs["text"].split()
+            for position, expected in zip(ours["prompt_logprobs"] or [], theirs["prompt_logprobs"] or []):
+                for token, entry in (position or {}).items():
+                    if entry["rank"] is None:
+                        entry["rank"] = expected[token]["rank"]
+                        assert expected[token]["rank"] > case["prompt_logprobs" if "prompt_logprobs" in case
+                                                           else "logprobs"]
+            try:
+                assert_same({k: ours[k] for k in ("logprobs", "prompt_logprobs")},
+                            {k: theirs[k] for k in ("logprobs", "prompt_logprobs")})
+            except AssertionError as e:
+                raise AssertionError(f"case {case}: {e}\nvLLM: {theirs}\nrollq: {ours}"[:6000]) from None
+    assert len(theirs["prompt_logprobs"]) == 6 and theirs["prompt_logprobs"][0] is None
+
+
+async def test_a_worker_whose_model_has_no_tokenizer_fails_chats_and_stop_strings(make_client,
+                                                                                   make_vllm_worker):
+    make_vllm_worker()  # conftest's engine: a model directory without tokenizer files
+    client = make_client()
+    chat = await client.submit_chat([[USER]], 1, {"max_tokens": 4})
+    stop = await client.submit([[1, 5, 6]], 1, {"max_tokens": 4, "stop": ["w1"]})
+    tokens = await client.submit([[1, 5, 6]], 1, {"max_tokens": 4})
+    by_job = {r.job_id: r for r in await client.take(3, timeout_s=120)}
+    assert by_job[chat].status == "failed" and "no tokenizer" in by_job[chat].reason
+    assert by_job[stop].status == "failed" and "no tokenizer" in by_job[stop].reason
+    assert by_job[tokens].status == "ok"
