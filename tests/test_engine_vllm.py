@@ -4,6 +4,8 @@ checked against Hugging Face transformers on the same tiny model."""
 import asyncio
 import math
 import random
+import re
+import time
 
 import pytest
 from conftest import ENGINE_MAX_MODEL_LEN
@@ -11,6 +13,8 @@ from helpers import collect
 from models import greedy, token_logprobs
 
 from rollq.engine.vllm import VLLMEngine
+from rollq.protocol import InvalidInput, Sampling, WorkItem, encode, encode_meta, pack_tokens
+from rollq.queue import jobs
 
 PROMPTS = [[1, 5, 6, 7], [1, 100, 200], [1, 3] * 10, [1, 400, 401, 402, 403, 5], [1, 42]]
 LOGPROB_TOLERANCE = 1e-4
@@ -104,22 +108,29 @@ async def test_prompt_longer_than_max_model_len_fails_only_its_group(make_client
     assert results[0].status == results[2].status == "ok"
 
 
-@pytest.mark.parametrize("sampling, message", [
-    ({"extra": {"no_such_param": 1}}, "no_such_param"),
-    ({"extra": {"n": 3}}, "may not set ['n']"),
-    ({"extra": {"min_tokens": 50}, "max_tokens": 4}, "min_tokens"),
+@pytest.mark.parametrize("sampling, field", [
+    ({"extra": {"no_such_param": 1}}, "sampling.extra.no_such_param"),
+    ({"extra": {"n": 3}}, "sampling.extra.n"),
+    ({"extra": {"min_tokens": 50}, "max_tokens": 4}, "sampling.extra.min_tokens"),
 ])
 async def test_invalid_engine_sampling_fails_the_group_not_the_worker(make_client,
                                                                       make_vllm_worker,
-                                                                      sampling, message):
+                                                                      sampling, field):
     client = make_client()
-    make_vllm_worker()
-    await client.submit([[1, 2]], n=1, sampling=sampling)
+    with pytest.raises(InvalidInput, match=re.escape(field)):  # refused at submit...
+        await client.submit([[1, 2]], n=1, sampling=sampling)
+    # ...and when written past the client (a trainer with direct Redis access), the worker fails
+    # the group at once with the field named, and goes on serving.
+    item = WorkItem("past-client", 0, pack_tokens([1, 2]), 1, Sampling(**sampling), time.time())
+    await jobs.enqueue(client.redis, client.scripts, client.keys, trainer=client.trainer_id,
+                       job_id="past-client", items=[encode(item)], quota=100, deadline=0.0,
+                       meta=encode_meta(None))
     await client.submit([[1, 3]], n=1, sampling={"max_tokens": 2})
-    results = {r.prompt_ids[-1]: r for r in await collect(client, 2)}
-    assert results[2].status == "failed" and message in results[2].reason
-    assert "gave up" not in results[2].reason  # failed at once, not retried
-    assert results[3].status == "ok"
+    make_vllm_worker()
+    results = {r.group_index if r.job_id == "past-client" else -1: r for r in await collect(client, 2)}
+    assert results[0].status == "failed" and field in results[0].reason
+    assert "gave up" not in results[0].reason  # failed at once, not retried
+    assert results[-1].status == "ok"
 
 
 async def test_text_prompt_without_tokenizer_fails_with_reason(make_client, make_vllm_worker):

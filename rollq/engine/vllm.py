@@ -20,7 +20,8 @@ import msgspec
 from rollq.config import VLLMSettings
 from rollq.engine.base import EngineDead, Generated, GroupError
 from rollq.engine.chat import ChatRenderer
-from rollq.protocol import Sample, Sampling, WorkItem, pack_floats, pack_tokens, unpack_tokens
+from rollq.protocol import (SAMPLING_EXTRA, Sample, Sampling, WorkItem, pack_floats, pack_tokens,
+                            unpack_tokens)
 
 log = logging.getLogger("rollq.engine.vllm")
 
@@ -355,6 +356,12 @@ def sampling_params(s: Sampling, n: int):
     clash = _OWNED & s.extra.keys()
     if clash:
         raise GroupError(f"sampling.extra may not set {sorted(clash)}: use the sampling fields")
+    # The queue validates items already; this keeps a caller of the engine itself to the same
+    # allow-list (e.g. prompt_logprobs or logit_bias would cost the engine unbounded work).
+    unknown = s.extra.keys() - SAMPLING_EXTRA.keys()
+    if unknown:
+        raise GroupError(f"sampling.extra may not set {sorted(unknown)}: it takes only "
+                         f"{sorted(SAMPLING_EXTRA)}")
     try:
         return SamplingParams(
             n=n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
