@@ -169,7 +169,7 @@ async def main(groups: int, repeats: int) -> dict:
     sys.path.insert(0, str(HERE))
     runs: dict[str, list[float]] = {"bare redis-py": [], "rollq": [], "saq": [], "arq": []}
     with tempfile.TemporaryDirectory() as tmp:
-        server = RedisProcess(Path(tmp), extra=["--appendonly", "no"]).start()
+        server = RedisProcess(Path(tmp), aof=False).start()
         try:
             for i in range(repeats):
                 await server_flush(server.url)

@@ -158,7 +158,7 @@ async def main(repeats: int, count: int) -> dict:
     runs: dict[str, list[dict]] = {"raw AsyncLLM": [], "rollq": []}
     with tempfile.TemporaryDirectory() as tmp:
         model = make_llama(Path(tmp) / "model", **MODEL)
-        redis = RedisProcess(Path(tmp), extra=["--appendonly", "no"]).start()
+        redis = RedisProcess(Path(tmp), aof=False).start()
         raw = Raw(model, count)
         rollq = Rollq(model, redis)
         try:

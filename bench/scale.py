@@ -93,7 +93,7 @@ async def costs_at_depth(url: str, depth: int, rounds: int = 20) -> dict:
 
 async def main(depths: list[int], groups: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        server = RedisProcess(Path(tmp), extra=["--appendonly", "no"]).start()
+        server = RedisProcess(Path(tmp), aof=False).start()
         try:
             memory = await memory_per_group(server.url)
             await server_flush(server.url)

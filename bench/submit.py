@@ -49,9 +49,9 @@ async def measure(url: str, calls: int) -> dict[int, dict[str, float]]:
 
 async def main(calls: int) -> dict:
     results = {}
-    for name, extra in (("no persistence", ["--appendonly", "no"]), ("AOF fsync always", [])):
+    for name, aof in (("no persistence", False), ("AOF fsync always", True)):
         with tempfile.TemporaryDirectory() as tmp:
-            server = RedisProcess(Path(tmp), extra=extra).start()
+            server = RedisProcess(Path(tmp), aof=aof).start()
             try:
                 results[name] = await measure(server.url, calls)
             finally:

@@ -116,7 +116,7 @@ async def main(repeats: int) -> dict:
         tmp = Path(tmp)
         checkpoints = [make_llama(tmp / f"ckpt{i}", seed=i, **MODEL) for i in range(2)]
         size = sum(f.stat().st_size for f in checkpoints[1].glob("*.safetensors"))
-        redis = RedisProcess(tmp, extra=["--appendonly", "no"]).start()
+        redis = RedisProcess(tmp, aof=False).start()
         worker = subprocess.Popen(
             [sys.executable, "-m", "rollq", "worker", "--engine", "vllm", "--redis-url", redis.url,
              "--policy", POLICY, "--model", str(checkpoints[0]), "--dtype", "float32",

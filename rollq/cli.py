@@ -56,7 +56,7 @@ def main(log_level: str) -> None:
 @click.option("--require-durable", is_flag=True, envvar="ROLLQ_REQUIRE_DURABLE",
               help="Refuse a Redis without AOF or with an evicting maxmemory-policy (else: warn).")
 @click.option("--metrics-port", envvar="ROLLQ_METRICS_PORT", type=int, default=None,
-              help="Serve Prometheus /metrics on this port.")
+              help="Serve Prometheus /metrics on this port (0: any free port, logged at start-up).")
 @click.option("--metrics-host", envvar="ROLLQ_METRICS_HOST", default="127.0.0.1", show_default=True)
 @click.option("--model", envvar="ROLLQ_MODEL", default=None, help="vLLM: local model directory.")
 @click.option("--dtype", envvar="ROLLQ_DTYPE", default="auto", show_default=True)
@@ -106,21 +106,51 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
 
 
 async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
-    from rollq.engine.instant import InstantEngine
     from rollq.queue.connection import check_durability, connect
+    from rollq.worker.stats import WorkerStats
+
+    log = logging.getLogger("rollq.worker")
+    redis = connect(s.redis_url)
+    metrics = None
+    try:
+        # Both before the engine starts: a refusal should not cost an engine start-up (minutes
+        # for vLLM on CPU), and a port picked before then may be taken by the time it is up.
+        await check_durability(redis, require=s.require_durable, log=log)
+        stats = WorkerStats(s.policy)
+        if s.metrics_port is not None:
+            metrics = await _serve_metrics(stats, s.metrics_host, s.metrics_port, log)
+    except RuntimeError as e:
+        log.error("%s", e)
+        await redis.aclose()
+        return 2
+    try:
+        return await _run_worker(s, vllm_settings, redis, stats)
+    finally:
+        if metrics is not None:
+            await metrics.cleanup()
+        await redis.aclose()
+
+
+async def _serve_metrics(stats, host: str, port: int, log: logging.Logger):
+    from rollq.worker.stats import serve_metrics
+
+    try:
+        runner = await serve_metrics(stats.registry, host, port)
+    except OSError as e:
+        raise RuntimeError(f"--metrics-port {port}: cannot serve /metrics on {host}:{port} "
+                           f"({e.strerror}); pick another port, or 0 for any free one") from e
+    bound = runner.addresses[0][1]  # the port the kernel gave, for --metrics-port 0
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return runner
+
+
+async def _run_worker(s: WorkerSettings, vllm_settings: VLLMSettings | None, redis, stats) -> int:
+    from rollq.engine.instant import InstantEngine
     from rollq.queue.keys import Keys
     from rollq.queue.work import WorkQueue
     from rollq.worker.loop import Worker
-
     from rollq.worker.swap import VersionFollower, load_pinned
 
-    redis = connect(s.redis_url)
-    try:  # before the engine starts: a refusal should not cost an engine start-up
-        await check_durability(redis, require=s.require_durable, log=logging.getLogger("rollq.worker"))
-    except RuntimeError as e:
-        logging.getLogger("rollq.worker").error("%s", e)
-        await redis.aclose()
-        return 2
     seq_budget = base_schema = None
     if vllm_settings is not None:
         from rollq.engine.vllm import VLLMEngine
@@ -131,32 +161,23 @@ async def _serve(s: WorkerSettings, vllm_settings: VLLMSettings | None) -> int:
         base_schema = dir_schema(Path(vllm_settings.model))
     else:
         engine = InstantEngine(delay_s=s.instant_delay_s, version=s.base_version)
-    queue = WorkQueue(redis, Keys(s.policy), s.worker_id, job_ttl_s=s.job_ttl_s)
-    max_inflight = s.max_inflight or seq_budget or 32
-    w = Worker(queue, engine, max_inflight=max_inflight, lease_s=s.lease_s,
-               max_deliveries=s.max_deliveries, grace_s=s.grace_s, poll_s=s.poll_s,
-               max_inflight_seqs=seq_budget, pinned=s.pin_version is not None)
-    follower = None
-    if s.pin_version is not None:
-        await load_pinned(w, w.registry, s.pin_version, base_schema)
-    else:
-        follower = VersionFollower(w, w.registry, mode=s.swap_mode, base_schema=base_schema,
-                                   poll_s=s.poll_s)
-    metrics = None
-    if s.metrics_port is not None:
-        from rollq.worker.stats import serve_metrics
-
-        metrics = await serve_metrics(w.stats.registry, s.metrics_host, s.metrics_port)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, w.stop)
     try:
+        queue = WorkQueue(redis, Keys(s.policy), s.worker_id, job_ttl_s=s.job_ttl_s)
+        w = Worker(queue, engine, max_inflight=s.max_inflight or seq_budget or 32, lease_s=s.lease_s,
+                   max_deliveries=s.max_deliveries, grace_s=s.grace_s, poll_s=s.poll_s,
+                   max_inflight_seqs=seq_budget, pinned=s.pin_version is not None, stats=stats)
+        follower = None
+        if s.pin_version is not None:
+            await load_pinned(w, w.registry, s.pin_version, base_schema)
+        else:
+            follower = VersionFollower(w, w.registry, mode=s.swap_mode, base_schema=base_schema,
+                                       poll_s=s.poll_s)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, w.stop)
         return await w.run(follower)
     finally:
-        if metrics is not None:
-            await metrics.cleanup()
         await engine.close()
-        await redis.aclose()
 
 
 @main.command()

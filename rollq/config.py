@@ -48,7 +48,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     base_version: int = 0
     """The version of the weights the engine starts with (the model directory's)."""
     metrics_port: int | None = None
-    """Serve Prometheus `/metrics` on this port (None: no metrics server)."""
+    """Serve Prometheus `/metrics` on this port, bound before the engine starts (0: any free port,
+    logged; None: no metrics server)."""
     require_durable: bool = False
     """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
     metrics_host: str = "127.0.0.1"
@@ -66,7 +67,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             "instant_delay_s": (self.instant_delay_s, 0, 3600),
             "base_version": (self.base_version, 0, 2**62),
             "pin_version": (0 if self.pin_version is None else self.pin_version, 0, 2**62),
-            "metrics_port": (1 if self.metrics_port is None else self.metrics_port, 1, 65_535),
+            "metrics_port": (0 if self.metrics_port is None else self.metrics_port, 0, 65_535),
         }
         for name, (value, lo, hi) in limits.items():
             if not lo <= value <= hi:

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import importlib.util
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rollq.faults import free_port
+from rollq.faults import RedisProcess, reserved_port
 from rollq.worker.pool import reap_group
 
 console = Console()
@@ -63,27 +62,27 @@ def load_example():
 
 @contextlib.contextmanager
 def private_redis(workdir: Path):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed. Install it with `sudo apt-get install "
-                         "redis-server` (or `brew install redis`), or set REDIS_URL.")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        server = RedisProcess(workdir, aof=False)
+    except RuntimeError:
+        raise SystemExit("redis-server is not installed. Install it with `sudo apt-get install "
+                         "redis-server` (or `brew install redis`), or set REDIS_URL.") from None
+    try:
+        yield server.start().url
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def _port(wanted: int) -> int:
+    """`wanted` if the gateway can bind it, else a reserved port (the gateway binds seconds later)."""
     with socket.socket() as s:
+        # As the gateway binds (aiohttp sets SO_REUSEADDR): a port in TIME_WAIT, e.g. one a
+        # caller reserved for us, is free for it; a listening one is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", wanted))
         except OSError:
-            return free_port()
+            return reserved_port()
         return wanted
 
 

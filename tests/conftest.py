@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +16,7 @@ import redis as redis_sync
 
 from rollq.client import RolloutClient
 from rollq.engine.instant import InstantEngine
+from rollq.faults import RedisProcess, reserved_port  # noqa: F401 (tests import it from here)
 from rollq.queue.connection import connect
 from rollq.queue.keys import Keys
 from rollq.queue.work import WorkQueue
@@ -27,68 +25,33 @@ from rollq.worker.pool import reap_group
 from rollq.worker.swap import VersionFollower
 
 
-def reserved_port() -> int:
-    """A loopback port for another process to bind (with SO_REUSEADDR, as aiohttp and
-    redis-server do) in the next 60 s, which the kernel will not hand out meanwhile.
-
-    `free_port()` closes its socket, so until the other process binds, any bind to port 0 on the
-    machine (a gateway, a redis-server of another test run, vLLM) may be given the same port,
-    and the late binder dies with EADDRINUSE. Here the port is left in TIME_WAIT instead:
-    the kernel then skips it for port-0 binds and outgoing connections, while an explicit
-    bind with SO_REUSEADDR succeeds.
-    """
-    with contextlib.closing(socket.socket()) as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        address = listener.getsockname()
-        with contextlib.closing(socket.create_connection(address)):
-            accepted, _ = listener.accept()
-            accepted.close()  # closes first: its TIME_WAIT holds the port
-        return address[1]
-
-
-def _wait_for_redis(url: str, proc: subprocess.Popen | None, timeout_s: float = 10) -> None:
+def _wait_for_redis(url: str, timeout_s: float = 10) -> None:
     give_up = time.monotonic() + timeout_s
     while True:
         try:
-            if proc is None:
-                redis_sync.Redis.from_url(url).ping()
-                return
-            pid = redis_sync.Redis.from_url(url).info("server")["process_id"]
-            if pid != proc.pid:  # our server could not bind: another one has the port
-                raise RuntimeError(f"{url} is served by pid {pid}, not by our redis-server "
-                                   f"(pid {proc.pid}, exit code {proc.poll()})")
+            redis_sync.Redis.from_url(url).ping()
             return
         except redis_sync.ConnectionError:
-            if (proc and proc.poll() is not None) or time.monotonic() > give_up:
+            if time.monotonic() > give_up:
                 raise RuntimeError(f"redis-server at {url} did not come up") from None
             time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory) -> str:
-    """A private redis-server on a free loopback port; ROLLQ_TEST_REDIS_URL uses an existing one."""
+    """A private redis-server (no persistence) on a reserved loopback port;
+    ROLLQ_TEST_REDIS_URL uses an existing one."""
     if url := os.environ.get("ROLLQ_TEST_REDIS_URL"):
-        _wait_for_redis(url, None)
+        _wait_for_redis(url)
         yield url
         return
-    binary = shutil.which("redis-server")
-    if binary is None:
+    try:
+        server = RedisProcess(tmp_path_factory.mktemp("redis"), aof=False)
+    except RuntimeError:
         pytest.exit("redis-server not found: run `make setup` (installs it) or set ROLLQ_TEST_REDIS_URL",
                     returncode=2)
-    port = reserved_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    _wait_for_redis(url, proc)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    yield server.start().url
+    server.stop()
 
 
 @pytest.fixture

@@ -2,15 +2,30 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
-from rollq.faults import free_port
+from rollq.demo import _port
+from rollq.faults import reserved_port
+
+
+def test_gateway_port_probe_takes_a_reserved_port_and_skips_a_listening_one():
+    # A reserved port sits in TIME_WAIT: a probe without SO_REUSEADDR would call it taken.
+    port = reserved_port()
+    assert _port(port) == port
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        taken = listener.getsockname()[1]
+        assert _port(taken) not in (taken, 0)
 
 
 def test_short_demo_runs_and_keeps_staleness_within_bound(tmp_path):
     out = tmp_path / "demo"
-    port = free_port()
+    # Reserved: the demo's gateway binds it only after the demo's imports and its redis-server.
+    port = reserved_port()
     proc = subprocess.run(
         [sys.executable, "-m", "rollq", "demo", "--steps", "4", "--groups", "6", "--n", "4",
          "--staleness", "2", "--out", str(out), "--port", str(port)],

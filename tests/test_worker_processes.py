@@ -1,12 +1,19 @@
 """`rollq worker` processes on the instant engine: throughput, fairness, kills, stops, shutdown."""
 
 import asyncio
+import os
+import re
 import signal
+import socket
+import subprocess
+import sys
 from collections import Counter
 
+import aiohttp
 from helpers import collect, wait_until
 
 from rollq.engine.instant import expected_tokens
+from rollq.worker.pool import _metrics_port_of
 
 
 async def test_1000_groups_from_3_trainers_through_2_workers(make_client, spawn_worker):
@@ -119,3 +126,46 @@ async def test_sigterm_with_time_to_finish_writes_results_itself(make_client, sp
     assert leaving.wait(timeout_s=15) == 0
     results = await collect(client, 4, timeout_s=5)
     assert {r.worker_id for r in results} == {"leaving"}
+
+
+# --- the worker's /metrics port: bound before the engine starts ---------------------------------
+
+
+async def test_metrics_port_0_binds_a_free_port_and_logs_it(spawn_worker, policy):
+    worker = spawn_worker(metrics_port=0)
+
+    def logged_port():
+        assert worker.proc.poll() is None, worker.report()
+        found = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", worker.log)
+        return found and int(found[1])
+
+    port = await wait_until(logged_port, timeout_s=60, what="the worker to log its metrics port")
+    assert port != 0
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
+        assert r.status == 200
+        assert f'rollq_worker_inflight_groups{{policy="{policy}"}} 0.0' in await r.text()
+
+
+def test_a_taken_metrics_port_fails_before_the_engine_starts(redis_url, tmp_path):
+    # A model directory vLLM cannot start: had the worker started its engine before binding,
+    # it would fail there (after vLLM's start-up), not on the port.
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "rollq", "worker", "--redis-url", redis_url, "--engine", "vllm",
+             "--model", str(tmp_path / "model"), "--metrics-port", str(port)],
+            capture_output=True, text=True, timeout=300, env=os.environ | {"COLUMNS": "200"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert f"--metrics-port {port}: cannot serve /metrics on 127.0.0.1:{port}" in out
+    assert "Traceback" not in out
+
+
+def test_pool_gives_each_worker_its_own_metrics_port_but_keeps_0():
+    assert _metrics_port_of(["--metrics-port", "9100"], 2) == ["--metrics-port", "9102"]
+    assert _metrics_port_of(["--metrics-port=9100"], 1) == ["--metrics-port=9101"]
+    assert _metrics_port_of(["--metrics-port", "0"], 3) == ["--metrics-port", "0"]

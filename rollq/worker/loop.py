@@ -55,7 +55,9 @@ class Worker:
         poll_s: float,
         max_inflight_seqs: int | None = None,
         pinned: bool = False,
+        stats: WorkerStats | None = None,
     ):
+        """`stats`: made before the worker, e.g. to serve its /metrics before the engine starts."""
         self.queue = queue
         self.engine = engine
         self.worker_id = queue.consumer
@@ -70,7 +72,7 @@ class Worker:
         self.heartbeat = Heartbeat(queue.redis, queue.keys, self.worker_id, ttl_s=3 * lease_s)
         self.registry = Registry(queue.redis, queue.keys, queue.scripts)
         self.admission = Admission()
-        self.stats = WorkerStats(queue.keys.policy)
+        self.stats = stats or WorkerStats(queue.keys.policy)
         self.newest: int | None = None
         """The newest registered version, as last seen."""
         self.cannot_load: set[int] = set()

@@ -122,11 +122,15 @@ class Pool:
 
 
 def _metrics_port_of(args: list[str], slot: int) -> list[str]:
-    """`--metrics-port P` given to the pool: worker `slot` serves on P + slot (one port each)."""
+    """`--metrics-port P` given to the pool: worker `slot` serves on P + slot (one port each);
+    `--metrics-port 0` stays 0 (each worker binds any free port and logs it)."""
+    def port(value: str) -> str:
+        return str(int(value) + slot) if int(value) else value
+
     out = list(args)
     for i, arg in enumerate(out):
         if arg == "--metrics-port" and i + 1 < len(out):
-            out[i + 1] = str(int(out[i + 1]) + slot)
+            out[i + 1] = port(out[i + 1])
         elif arg.startswith("--metrics-port="):
-            out[i] = f"--metrics-port={int(arg.split('=', 1)[1]) + slot}"
+            out[i] = f"--metrics-port={port(arg.split('=', 1)[1])}"
     return out

@@ -1,5 +1,5 @@
 """Fault injection: each test gets its own durable redis-server (AOF, fsync on every write) on a
-random loopback port, which it may kill, restart or freeze. Run alone: `pytest -m faults`."""
+reserved loopback port, which it may kill, restart or freeze. Run alone: `pytest -m faults`."""
 
 from __future__ import annotations
 
