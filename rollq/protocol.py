@@ -14,6 +14,8 @@ from __future__ import annotations
 import array
 import math
 import re
+import re._constants as _sre  # the stdlib parser `re` itself uses: to look at a regex's shape
+import re._parser as _sre_parse
 import sys
 from typing import Any, Literal
 
@@ -39,6 +41,8 @@ MAX_JOB_GROUPS = 65_536
 MAX_ID_CHARS = 128
 """`job_id`, `trainer_id`, policy names."""
 MAX_RESULT_BYTES = 512 * 1024 * 1024
+MAX_REGEX_CHARS = 4096
+"""`sampling.regex`: the engine compiles it into a grammar per job."""
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
 """Matched with fullmatch: `$` would also match before a trailing newline."""
@@ -359,6 +363,62 @@ def validate_sampling(s: Sampling, n: int, field: str = "sampling") -> None:
     if s.seed is not None and not 0 <= s.seed < 2**63:
         raise InvalidInput(f"{field}.seed", f"seed={s.seed} must be in [0, 2**63)")
     validate_extra(s.extra, s.max_tokens, f"{field}.extra")
+    if s.regex is not None:
+        validate_regex(s.regex, f"{field}.regex")
+
+
+_REPEATS = {_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT)}
+
+
+def _children(av: Any) -> list[Any]:
+    """The sub-patterns inside one parsed node's arguments (groups, branches, lookarounds)."""
+    found = []
+    for arg in av if isinstance(av, (tuple, list)) else ():
+        if isinstance(arg, _sre_parse.SubPattern):
+            found.append(arg)
+        elif isinstance(arg, (tuple, list)):
+            found += _children(arg)
+    return found
+
+
+def _nested_repeat(pattern: Any, inside_repeat: bool) -> bool:
+    """A variable repetition (`*`, `+`, `?`, `{m,n}`) inside a repetition that may run more
+    than once: `(a*)*`, `(a+a+)+`, `(a?){300}`."""
+    for op, av in pattern:
+        if op in _REPEATS:
+            low, high, body = av
+            if inside_repeat and low != high:
+                return True
+            if _nested_repeat(body, inside_repeat or high > 1):
+                return True
+        elif any(_nested_repeat(child, inside_repeat) for child in _children(av)):
+            return True
+    return False
+
+
+def validate_regex(regex: str, field: str = "sampling.regex") -> None:
+    """Bound what a structured-output regex costs the engine.
+
+    vLLM 0.32 (`auto`) hands it to xgrammar, an Earley parser: no backtracking, but nested
+    repetition makes its state sets grow with each generated token (`(a*)*b`: 3.2 s of engine
+    time for 200 tokens), in the loop every request of the engine shares. So nested repetition
+    is refused, and length (`MAX_REGEX_CHARS`). Checked with Python's parser, whose syntax is
+    close to xgrammar's; what Python cannot parse is refused too.
+    """
+    if len(regex) > MAX_REGEX_CHARS:
+        raise InvalidInput(field, f"is {len(regex)} characters; the limit is {MAX_REGEX_CHARS}")
+    try:
+        parsed = _sre_parse.parse(regex)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise InvalidInput(field, f"is not a regular expression: {e}"[:300]) from None
+    try:
+        nested = _nested_repeat(parsed, False)
+    except RecursionError:
+        nested = True
+    if nested:
+        raise InvalidInput(field, "has nested repetition (a `*`, `+`, `?` or `{m,n}` inside a "
+                                  "repeated group, as in `(a*)*`), which costs the engine time that "
+                                  "grows with every token; write it without the nesting")
 
 
 def validate_prompt(prompt: bytes, field: str = "prompt") -> None:
