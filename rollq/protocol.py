@@ -62,16 +62,23 @@ class QueueFull(Exception):
     """The trainer's quota of outstanding groups has no room and the caller asked not to wait
     (or the job is larger than the quota and can never fit)."""
 
-    def __init__(self, message: str, *, outstanding: int = 0, limit: int = 0, groups: int = 0):
+    def __init__(self, message: str, *, outstanding: int = 0, limit: int = 0, groups: int = 0,
+                 queued_bytes: int = 0, byte_limit: int = 0, job_bytes: int = 0):
         super().__init__(message)
         self.outstanding = outstanding
         self.limit = limit
         """The effective quota: the smaller of the client's and the operator's cap."""
         self.groups = groups
+        self.queued_bytes = queued_bytes
+        """Set when the byte quota is what is full: bytes of the trainer's queued items..."""
+        self.byte_limit = byte_limit
+        """...its quota of them (0: the group quota is what is full)..."""
+        self.job_bytes = job_bytes
+        """...and the refused job's items."""
 
     @property
     def never_fits(self) -> bool:
-        return self.groups > self.limit
+        return self.groups > self.limit or self.job_bytes > self.byte_limit > 0
 
 
 # --- Packed arrays ---------------------------------------------------------------------------

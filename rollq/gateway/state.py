@@ -54,6 +54,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     max_body_bytes: int = 64 * 1024 * 1024
     max_outstanding: int = 65_536
     """Quota of unfinished groups per trainer submitting through the gateway."""
+    max_outstanding_bytes: int = 1024**3
+    """Quota on the bytes of prompts (encoded work items) a trainer has waiting in Redis."""
     require_durable: bool = False
     """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
     header_timeout_s: float = 15.0
@@ -107,6 +109,7 @@ class Gateway:
         if key not in self._clients:
             self._clients[key] = RolloutClient(policy=policy, trainer_id=trainer, redis=self.redis,
                                                max_outstanding=self.settings.max_outstanding,
+                                               max_outstanding_bytes=self.settings.max_outstanding_bytes,
                                                weight_store=self.settings.weight_store)
         return self._clients[key]
 
