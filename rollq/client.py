@@ -244,7 +244,9 @@ class RolloutClient:
     async def _room(self, groups: int, size: int, limit: int, byte_limit: int) -> bool:
         if await jobs.outstanding(self.redis, self.keys, self.trainer_id) + groups > limit:
             return False
-        if not byte_limit or await jobs.queued_bytes(self.redis, self.keys, self.trainer_id) + size <= byte_limit:
+        if not byte_limit:
+            return True
+        if await jobs.queued_bytes(self.redis, self.keys, self.trainer_id) + size <= byte_limit:
             return True
         return await self.redis.xlen(self.keys.work(self.trainer_id)) == 0  # the script resets drift
 
