@@ -65,6 +65,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     """Reading a request body longer than this ends in a 408."""
     max_connections: int = 1024
     """Connections beyond this are answered 503 and closed at once."""
+    max_reply_bytes: int = 16 * 1024 * 1024
+    """A batch of results stops at this many bytes encoded (it has at least one result); the
+    stream reads as few results at a time. One trainer's `count=1024` of big groups would
+    otherwise be held in the gateway's memory at once."""
 
     def validate(self) -> GatewaySettings:
         if self.tokens is None and not self.no_auth:
@@ -79,7 +83,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         if not 1024 <= self.max_body_bytes <= 2**31:
             raise InvalidInput("max_body_bytes", f"{self.max_body_bytes} is out of range [1024, 2**31]")
         for name, lo, hi in (("header_timeout_s", 0.1, 3600), ("body_timeout_s", 0.1, 3600),
-                             ("max_connections", 1, 1_000_000)):
+                             ("max_connections", 1, 1_000_000), ("max_reply_bytes", 1024, 2**31)):
             if not lo <= getattr(self, name) <= hi:
                 raise InvalidInput(name, f"{name}={getattr(self, name)} is out of range [{lo}, {hi}]")
         self.weight_roots = [Path(p).resolve() for p in (self.weight_roots or [self.weight_store])]
