@@ -66,3 +66,23 @@ async def test_the_stream_writes_every_result_and_reads_few_at_a_time(make_gatew
         async with http.get(f"/v1/policies/{policy}/results/stream", params={"ack": "auto"}) as r:
             events = await asyncio.wait_for(sse_events(r, 12), 60)
         assert sorted(e["group_index"] for e in events) == list(range(12))
+
+
+async def test_a_body_beyond_the_budget_waits_then_gets_a_503(make_gateway, policy):
+    """A completions request (no worker: it waits) holds the whole budget with its body; the
+    next body waits body_timeout_s for room, then gets a 503; room comes back when it leaves."""
+    gw = await make_gateway(max_body_bytes=65_536, body_bytes_in_flight=65_536, body_timeout_s=1.0)
+    held = msgspec.json.encode({"model": policy, "prompt": [[1, 2, 3]], "max_tokens": 1, "timeout_s": 60})
+    held = held[:-1] + b" " * (65_536 - len(held)) + b"}"  # JSON whitespace: exactly the budget
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http:
+        holder = asyncio.create_task(http.post("/v1/completions", data=held,
+                                               headers={"Content-Type": "application/json"}))
+        await asyncio.sleep(0.5)
+        async with http.post(f"/v1/policies/{policy}/jobs", json=JOB) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "1"
+            assert "retry" in (await r.json())["error"]["message"]
+        holder.cancel()  # the caller leaves: its handler is cancelled and gives the bytes back
+        await asyncio.gather(holder, return_exceptions=True)
+        await asyncio.sleep(0.5)
+        async with http.post(f"/v1/policies/{policy}/jobs", json=JOB) as r:
+            assert r.status == 201

@@ -52,6 +52,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     tokenizer: str | None = None
     """A local tokenizer directory: text prompts are tokenized here and completions get text."""
     max_body_bytes: int = 64 * 1024 * 1024
+    body_bytes_in_flight: int | None = None
+    """Bytes of request bodies read and handled at once (default: 4 x max_body_bytes); others
+    wait for room (a 503 after body_timeout_s). One 16 MiB submit costs ~140 MiB while decoded."""
     max_outstanding: int = 65_536
     """Quota of unfinished groups per trainer submitting through the gateway."""
     max_outstanding_bytes: int = 1024**3
@@ -86,6 +89,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
                              ("max_connections", 1, 1_000_000), ("max_reply_bytes", 1024, 2**31)):
             if not lo <= getattr(self, name) <= hi:
                 raise InvalidInput(name, f"{name}={getattr(self, name)} is out of range [{lo}, {hi}]")
+        if self.body_bytes_in_flight is not None and not \
+                self.max_body_bytes <= self.body_bytes_in_flight <= 2**40:
+            raise InvalidInput("body_bytes_in_flight", f"{self.body_bytes_in_flight} is out of range "
+                                                       f"[max_body_bytes={self.max_body_bytes}, 2**40]")
         self.weight_roots = [Path(p).resolve() for p in (self.weight_roots or [self.weight_store])]
         return self
 
