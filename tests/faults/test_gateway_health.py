@@ -58,10 +58,10 @@ async def test_health_answers_during_a_hostile_publish(redis_url, policy, tmp_pa
             await asyncio.sleep(0.5)
             began = time.perf_counter()
             for version in (1, 2, 3):
-                async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as pub:
-                    async with pub.post(f"/v1/policies/{policy}/versions",
-                                        json={"version": version, "path": str(bad)}) as r:
-                        assert r.status == 400 and (await r.json())["error"]["field"] == "path"
+                body = {"version": version, "path": str(bad)}
+                async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as pub, \
+                        pub.post(f"/v1/policies/{policy}/versions", json=body) as r:
+                    assert r.status == 400 and (await r.json())["error"]["field"] == "path"
             publishing = time.perf_counter() - began
             stop.set()
             times = await poller
