@@ -149,6 +149,7 @@ class RolloutClient:
         policy: str,
         trainer_id: str,
         max_outstanding: int = 65_536,
+        max_outstanding_bytes: int = 1024**3,
         weight_store: str | None = None,
         redis=None,
         reconnect_s: float = 60.0,
@@ -158,6 +159,12 @@ class RolloutClient:
         if not 1 <= max_outstanding <= 10_000_000:
             raise InvalidInput("max_outstanding", f"{max_outstanding} is out of range [1, 10000000]")
         self.max_outstanding = max_outstanding
+        if not 1024 <= max_outstanding_bytes <= 2**40:
+            raise InvalidInput("max_outstanding_bytes",
+                               f"{max_outstanding_bytes} is out of range [1024, 2**40]")
+        self.max_outstanding_bytes = max_outstanding_bytes
+        """Quota on the bytes of this trainer's encoded work items waiting in Redis: the group
+        quota alone lets 65,536 groups of 512 KiB prompts (32 GiB) wait there."""
         self.reconnect_s = reconnect_s
         """How long calls keep retrying while Redis is unreachable."""
         self.redis = redis if redis is not None else connect(redis_url)
@@ -280,7 +287,11 @@ class RolloutClient:
                        window: tuple[int, int | None, int | None], wait: bool,
                        timeout_s: float | None) -> str:
         """Enqueue encoded items in one round trip; without room in the quota, wait (polling
-        the cheap counter against the effective cap, not resending the batch) or raise."""
+        the cheap counters against the effective caps, not resending the batch) or raise."""
+        size = sum(len(b) for b, _ in items)
+        if size > self.max_outstanding_bytes:
+            raise InvalidInput("prompts", f"the job's items are {size} bytes encoded; they can never "
+                                          f"fit the quota max_outstanding_bytes={self.max_outstanding_bytes}")
         give_up = time.monotonic() + timeout_s if timeout_s is not None else None
         delay = 0.01
         while True:
@@ -289,17 +300,29 @@ class RolloutClient:
                 await self._retrying(
                     jobs.enqueue, self.redis, self.scripts, self.keys, trainer=self.trainer_id,
                     job_id=job_id, items=[b for b, _ in items], quota=self.max_outstanding,
-                    deadline=items[0][1], meta=meta, min_version=window[0], max_version=window[1])
+                    byte_quota=self.max_outstanding_bytes, deadline=items[0][1], meta=meta,
+                    min_version=window[0], max_version=window[1])
                 return job_id
             except QueueFull as full:
                 if full.never_fits or not wait or (give_up is not None and time.monotonic() >= give_up):
                     raise
                 limit = full.limit  # the effective cap: the operator's may be below ours
-            while await jobs.outstanding(self.redis, self.keys, self.trainer_id) + len(items) > limit:
+                byte_limit = full.byte_limit
+            # Poll the cheap counters, not the whole batch, until there is room.
+            while not await self._room(len(items), size, limit, byte_limit):
                 if give_up is not None and time.monotonic() >= give_up:
                     break
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.5)
+
+    async def _room(self, groups: int, size: int, limit: int, byte_limit: int) -> bool:
+        if await jobs.outstanding(self.redis, self.keys, self.trainer_id) + groups > limit:
+            return False
+        if not byte_limit:
+            return True
+        if await jobs.queued_bytes(self.redis, self.keys, self.trainer_id) + size <= byte_limit:
+            return True
+        return await self.redis.xlen(self.keys.work(self.trainer_id)) == 0  # the script resets drift
 
     async def _retrying(self, func, *args, reading: bool = False, **kwargs):
         """`await func(*args, **kwargs)`, again with backoff while Redis is unreachable (a restart, a killed

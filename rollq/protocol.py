@@ -14,6 +14,8 @@ from __future__ import annotations
 import array
 import math
 import re
+import re._constants as _sre  # the stdlib parser `re` itself uses: to look at a regex's shape
+import re._parser as _sre_parse
 import sys
 from typing import Any, Literal
 
@@ -47,6 +49,8 @@ MAX_CHAT_TOOLS = 256
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 """Per stop string."""
+MAX_REGEX_CHARS = 4096
+"""`sampling.regex`: the engine compiles it into a grammar per job."""
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
 """Matched with fullmatch: `$` would also match before a trailing newline."""
@@ -66,16 +70,23 @@ class QueueFull(Exception):
     """The trainer's quota of outstanding groups has no room and the caller asked not to wait
     (or the job is larger than the quota and can never fit)."""
 
-    def __init__(self, message: str, *, outstanding: int = 0, limit: int = 0, groups: int = 0):
+    def __init__(self, message: str, *, outstanding: int = 0, limit: int = 0, groups: int = 0,
+                 queued_bytes: int = 0, byte_limit: int = 0, job_bytes: int = 0):
         super().__init__(message)
         self.outstanding = outstanding
         self.limit = limit
         """The effective quota: the smaller of the client's and the operator's cap."""
         self.groups = groups
+        self.queued_bytes = queued_bytes
+        """Set when the byte quota is what is full: bytes of the trainer's queued items..."""
+        self.byte_limit = byte_limit
+        """...its quota of them (0: the group quota is what is full)..."""
+        self.job_bytes = job_bytes
+        """...and the refused job's items."""
 
     @property
     def never_fits(self) -> bool:
-        return self.groups > self.limit
+        return self.groups > self.limit or self.job_bytes > self.byte_limit > 0
 
 
 # --- Packed arrays ---------------------------------------------------------------------------
@@ -408,6 +419,8 @@ def validate_sampling(s: Sampling, n: int, field: str = "sampling") -> None:
         raise InvalidInput(f"{field}.stop", f"{len(s.stop)} stop strings; the limit is {MAX_STOP_STRINGS}")
     if any(not 0 < len(stop) <= MAX_STOP_CHARS for stop in s.stop):
         raise InvalidInput(f"{field}.stop", f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
+    if s.regex is not None:
+        validate_regex(s.regex, f"{field}.regex")
 
 
 def validate_chat(chat: Chat, field: str = "chat") -> None:
@@ -428,6 +441,60 @@ def validate_chat(chat: Chat, field: str = "chat") -> None:
     size = len(encode(chat))
     if size > MAX_CHAT_BYTES:
         raise InvalidInput(field, f"is {size} bytes encoded; the limit is {MAX_CHAT_BYTES}")
+
+
+_REPEATS = {_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT)}
+
+
+def _children(av: Any) -> list[Any]:
+    """The sub-patterns inside one parsed node's arguments (groups, branches, lookarounds)."""
+    found = []
+    for arg in av if isinstance(av, (tuple, list)) else ():
+        if isinstance(arg, _sre_parse.SubPattern):
+            found.append(arg)
+        elif isinstance(arg, (tuple, list)):
+            found += _children(arg)
+    return found
+
+
+def _nested_repeat(pattern: Any, inside_repeat: bool) -> bool:
+    """A variable repetition (`*`, `+`, `?`, `{m,n}`) inside a repetition that may run more
+    than once: `(a*)*`, `(a+a+)+`, `(a?){300}`."""
+    for op, av in pattern:
+        if op in _REPEATS:
+            low, high, body = av
+            if inside_repeat and low != high:
+                return True
+            if _nested_repeat(body, inside_repeat or high > 1):
+                return True
+        elif any(_nested_repeat(child, inside_repeat) for child in _children(av)):
+            return True
+    return False
+
+
+def validate_regex(regex: str, field: str = "sampling.regex") -> None:
+    """Bound what a structured-output regex costs the engine.
+
+    vLLM 0.32 (`auto`) hands it to xgrammar, an Earley parser: no backtracking, but nested
+    repetition makes its state sets grow with each generated token (`(a*)*b`: 3.2 s of engine
+    time for 200 tokens), in the loop every request of the engine shares. So nested repetition
+    is refused, and length (`MAX_REGEX_CHARS`). Checked with Python's parser, whose syntax is
+    close to xgrammar's; what Python cannot parse is refused too.
+    """
+    if len(regex) > MAX_REGEX_CHARS:
+        raise InvalidInput(field, f"is {len(regex)} characters; the limit is {MAX_REGEX_CHARS}")
+    try:
+        parsed = _sre_parse.parse(regex)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise InvalidInput(field, f"is not a regular expression: {e}"[:300]) from None
+    try:
+        nested = _nested_repeat(parsed, False)
+    except RecursionError:
+        nested = True
+    if nested:
+        raise InvalidInput(field, "has nested repetition (a `*`, `+`, `?` or `{m,n}` inside a "
+                                  "repeated group, as in `(a*)*`), which costs the engine time that "
+                                  "grows with every token; write it without the nesting")
 
 
 def validate_prompt(prompt: bytes, field: str = "prompt") -> None:

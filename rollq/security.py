@@ -39,7 +39,8 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
     keys = Keys(policy)
     check_id("trainer", trainer)
     own = [keys.work(trainer), keys.results(trainer), keys.outstanding(trainer),
-           keys.quota(trainer), keys.job(trainer, "*"), keys.done(trainer, "*")]
+           keys.outstanding_bytes(trainer), keys.quota(trainer), keys.job(trainer, "*"),
+           keys.done(trainer, "*")]
     shared = [keys.trainers, keys.bounded_jobs]
     registry = [keys.latest, keys.versions, keys.version_events]
     rules = [trainer, "on", f">{password}", "resetkeys", "resetchannels", *_COMMANDS]

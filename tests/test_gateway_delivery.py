@@ -3,6 +3,8 @@ A real gateway, a real redis-server and an in-process worker (instant engine).""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 from gateway_fixtures import sse_events
 from helpers import wait_until
@@ -71,7 +73,9 @@ async def test_sse_default_disconnect_loses_nothing(make_gateway, make_worker, m
 async def test_sse_ack_auto_is_at_most_once(make_gateway, make_worker, make_client, policy, redis):
     """Documented (docs/reliability.md, "Delivery to trainers"): ack=auto acknowledges a batch once
     it is written to the socket, not once the client has it. A client that disconnects after
-    1 of 10 events never gets the other 9."""
+    1 of 10 events never gets that one again, nor any other written before the disconnect was
+    noticed (results are read a few at a time since issue 20, so some may remain: they come
+    again)."""
     gw = await make_gateway()
     make_worker()
     await _finished(gw, policy, make_client, 10)
@@ -81,12 +85,15 @@ async def test_sse_ack_auto_is_at_most_once(make_gateway, make_worker, make_clie
         async with http.get(path, params={"ack": "autoo"}) as r:
             body = await r.json()
             assert r.status == 400 and body["error"]["field"] == "ack", body
-        await _first_event_then_disconnect(http, path, {"batch": "10", "ack": "auto"})
+        first = await _first_event_then_disconnect(http, path, {"batch": "10", "ack": "auto"})
 
-        async def stream_empty() -> bool:
-            return await redis.xlen(client.keys.results("alice")) == 0
+        async def first_acknowledged() -> bool:
+            return not await redis.xrange(client.keys.results("alice"), first["id"], first["id"])
 
-        await wait_until(stream_empty, what="the written batch acknowledged")
+        await wait_until(first_acknowledged, what="the written event acknowledged")
+        await asyncio.sleep(0.5)  # the handler has been cancelled by now
+        left = await redis.xlen(client.keys.results("alice"))
         async with http.get(f"/v1/policies/{policy}/results") as r:
-            assert (await r.json())["results"] == []  # 9 results the client never saw: gone
-    assert await client.outstanding() == 0
+            again = (await r.json())["results"]
+        assert first["id"] not in {x["id"] for x in again} and len(again) == left < 10
+    assert await client.outstanding() == left

@@ -19,14 +19,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from rollq.client import RolloutClient
 from rollq.gateway import completions as oai
 from rollq.gateway.auth import Principal, allowed
-from rollq.gateway.http import JSON, ApiError, read_body, reply
+from rollq.gateway.http import JSON, ApiError, read_body, reply, wants_msgpack
 from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch,
-                                  SubmitRequest, Submitted, VersionList, result_view, version_view)
+                                  SubmitRequest, Submitted, VersionList, result_view, sample_view,
+                                  version_view)
 from rollq.gateway.state import GATEWAY, Gateway
 from rollq.protocol import GroupResult, InvalidInput
 from rollq.queue import jobs
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
+from rollq.queue.results import ResultReader
 from rollq.registry.safetensors_check import WeightError
 from rollq.registry.versions import Registry, VersionConflict
 from rollq.status import policies, policy_status
@@ -85,18 +87,63 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 # --- results ---------------------------------------------------------------------------------
 
-async def results(request: web.Request) -> web.Response:
-    """A batch of results not yet acknowledged (the same ones again until they are)."""
-    gw, policy, who = _context(request)
-    count = _int_query(request, "count", 64, 1, 1024)
-    wait_ms = _int_query(request, "wait_ms", 0, 0, 10_000)
-    reader = gw.reader(policy, who.trainer)
+MAX_CHUNK = 64
+"""Results read from Redis at once, at most (fewer when they are big)."""
+
+
+def _encoder(request: web.Request):
+    return msgspec.msgpack.encode if wants_msgpack(request) else msgspec.json.encode
+
+
+def _encoded(encode, entry_id: str, result: GroupResult) -> bytes:
+    """One result in the reply's format. Sample by sample: a view unpacks token ids and
+    logprobs into Python lists (~40 bytes a token), so only one sample's lists live at a time."""
+    samples = [msgspec.Raw(encode(sample_view(s))) for s in result.samples]
+    view = result_view(entry_id, msgspec.structs.replace(result, samples=[]))
+    view.samples = samples  # encoded as they are: msgspec writes Raw bytes verbatim
+    return encode(view)
+
+
+def _chunk(left_count: int, left_bytes: int, biggest: int) -> int:
+    """How many to read next: as many as fit the bytes left if each were the biggest seen
+    (one while none has been seen)."""
+    if not biggest:
+        return 1
+    return max(1, min(left_count, MAX_CHUNK, left_bytes // max(biggest, 1)))
+
+
+async def _first_entries(reader: ResultReader, wait_ms: int) -> list:
     give_up = time.monotonic() + wait_ms / 1000
     while True:  # blocks of 1 s at most: redis-py's socket timeout (5 s) would cut a longer one
         left = give_up - time.monotonic()
-        entries = await reader.read(count, max(1, int(min(left, 1.0) * 1000)) if left > 0 else None)
+        entries = await reader.read(1, max(1, int(min(left, 1.0) * 1000)) if left > 0 else None)
         if entries or left <= 0:
-            return reply(request, ResultBatch([result_view(i, r) for i, r in entries]))
+            return entries
+
+
+async def results(request: web.Request) -> web.Response:
+    """A batch of results not yet acknowledged (the same ones again until they are), up to
+    `count` and `max_reply_bytes` encoded (at least one). Read a few at a time, since a result's
+    size is known only once read: what was read and not sent stays pending and comes first in
+    the next batch (each request's reader starts with the pending ones)."""
+    gw, policy, who = _context(request)
+    count = _int_query(request, "count", 64, 1, 1024)
+    wait_ms = _int_query(request, "wait_ms", 0, 0, 10_000)
+    reader, encode, budget = gw.reader(policy, who.trainer), _encoder(request), gw.settings.max_reply_bytes
+    parts: list[msgspec.Raw] = []
+    size = biggest = 0
+    entries = await _first_entries(reader, wait_ms)
+    while entries:
+        for entry_id, result in entries:
+            data = _encoded(encode, entry_id, result)
+            if parts and (size + len(data) > budget or len(parts) == count):
+                return reply(request, ResultBatch(parts))  # type: ignore[arg-type]  # Raw views
+            parts.append(msgspec.Raw(data))
+            size, biggest = size + len(data), max(biggest, len(data))
+        if len(parts) == count or size >= budget:
+            break
+        entries = await reader.read(_chunk(count - len(parts), budget - size, biggest), None)
+    return reply(request, ResultBatch(parts))  # type: ignore[arg-type]
 
 
 async def stream_results(request: web.Request) -> web.StreamResponse:
@@ -106,6 +153,7 @@ async def stream_results(request: web.Request) -> web.StreamResponse:
     the socket, so a client that disconnects loses what it had not received (reliability.md)."""
     gw, policy, who = _context(request)
     batch = _int_query(request, "batch", 64, 1, 1024)
+    budget, biggest = gw.settings.max_reply_bytes, 0
     mode = request.query.get("ack", "manual")
     if mode not in ("auto", "manual"):
         raise ApiError(400, f"ack={mode[:20]!r} must be 'auto' or 'manual'", "ack")
@@ -114,13 +162,16 @@ async def stream_results(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     while True:
-        entries = await reader.read(batch, 1000)
+        # As many at a time as fit max_reply_bytes if each were the biggest seen so far.
+        entries = await reader.read(_chunk(batch, budget, biggest), 1000)
         if not entries:
             await response.write(b": idle\n\n")  # also finds a client that has gone
             continue
         for entry_id, result in entries:
-            data = msgspec.json.encode(result_view(entry_id, result))
+            data = _encoded(msgspec.json.encode, entry_id, result)
+            biggest = max(biggest, len(data))
             await response.write(b"id: %s\nevent: result\ndata: %s\n\n" % (entry_id.encode(), data))
+            del data
         if auto_ack:
             await reader.ack([e for e, _ in entries])
 

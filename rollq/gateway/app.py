@@ -20,7 +20,7 @@ from aiohttp import web
 from rollq.gateway import api
 from rollq.gateway.chat import ChatCompletionRequest, chat_completions
 from rollq.gateway.completions import CompletionRequest
-from rollq.gateway.http import BODY_TIMEOUT, ApiError, errors
+from rollq.gateway.http import BODY_BUDGET, BODY_TIMEOUT, ApiError, BodyBudget, bounded_bodies, errors
 from rollq.gateway.openapi import Param, openapi_document
 from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch, SubmitRequest,
                                   Submitted, VersionList, VersionView)
@@ -143,11 +143,14 @@ def _guarded(route: Route, settings: GatewaySettings):
 
 
 def make_app(settings: GatewaySettings, redis=None, tokenizer: Any | None = None) -> web.Application:
-    app = web.Application(middlewares=[count_requests, errors], client_max_size=settings.max_body_bytes)
+    app = web.Application(middlewares=[count_requests, errors, bounded_bodies],
+                          client_max_size=settings.max_body_bytes)
     app[GATEWAY] = Gateway(settings, redis if redis is not None else connect(settings.redis_url), tokenizer)
     app[OPENAPI] = openapi_document(ROUTES)
     app[api.PUBLISHING] = asyncio.Semaphore(MAX_PUBLISHING)
     app[BODY_TIMEOUT] = settings.body_timeout_s
+    app[BODY_BUDGET] = BodyBudget(settings.body_bytes_in_flight or 4 * settings.max_body_bytes,
+                                  settings.max_body_bytes)
     for route in ROUTES:
         app.router.add_route(route.method, route.path, _guarded(route, settings))
 

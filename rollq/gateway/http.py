@@ -49,6 +49,56 @@ _UNKNOWN = re.compile(r"unknown field `([^`]*)`$")
 BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
 
 
+class BodyBudget:
+    """Bytes of request bodies being read, decoded and handled at once. A JSON body costs the
+    gateway many times its size while it is decoded and turned into work items (a 16 MiB submit
+    of token ids: ~140 MiB), so concurrent large bodies take turns instead of all at once."""
+
+    def __init__(self, total: int, largest: int):
+        self.total = total
+        self.largest = largest
+        """What a body without a Content-Length may grow to (the body cap)."""
+        self.free = total
+        self._changed = asyncio.Condition()
+
+    async def take(self, size: int, wait_s: float) -> bool:
+        """Reserve `size` bytes, waiting up to `wait_s`; False if they did not come free."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= size), wait_s)
+            except TimeoutError:
+                return False
+            self.free -= size
+            return True
+
+    async def give(self, size: int) -> None:
+        async with self._changed:  # uncontended: taken only between awaits, so this never waits
+            self.free += size
+            self._changed.notify_all()
+
+
+BODY_BUDGET = web.AppKey("body_budget", BodyBudget)
+
+
+@web.middleware
+async def bounded_bodies(request: web.Request, handler):
+    """Reserve a request's body bytes (its Content-Length; the cap when it has none) before the
+    handler reads it. aiohttp buffers only ~128 KiB of a body nobody reads yet, so a request
+    waiting here holds a socket, not memory. Waits up to the body timeout, then a 503."""
+    budget = request.app[BODY_BUDGET]
+    if not request.body_exists:
+        return await handler(request)
+    size = min(budget.largest if request.content_length is None else request.content_length, budget.total)
+    if not await budget.take(size, request.app[BODY_TIMEOUT]):
+        return error_response(503, f"the gateway is reading {budget.total} bytes of request bodies "
+                                   "already, as many as it may at once; retry shortly",
+                              headers={"Retry-After": "1"})
+    try:
+        return await handler(request)
+    finally:
+        await budget.give(size)
+
+
 async def read_body(request: web.Request, cls: type[T]) -> T:
     """The request body decoded into `cls`; 400 naming the field when it does not fit."""
     kind = request.content_type

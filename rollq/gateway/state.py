@@ -52,8 +52,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     tokenizer: str | None = None
     """A local tokenizer directory: text prompts are tokenized here and completions get text."""
     max_body_bytes: int = 64 * 1024 * 1024
+    body_bytes_in_flight: int | None = None
+    """Bytes of request bodies read and handled at once (default: 4 x max_body_bytes); others
+    wait for room (a 503 after body_timeout_s). One 16 MiB submit costs ~140 MiB while decoded."""
     max_outstanding: int = 65_536
     """Quota of unfinished groups per trainer submitting through the gateway."""
+    max_outstanding_bytes: int = 1024**3
+    """Quota on the bytes of prompts (encoded work items) a trainer has waiting in Redis."""
     require_durable: bool = False
     """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
     header_timeout_s: float = 15.0
@@ -66,6 +71,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     trust_request_chat_template: bool = False
     """Let chat requests bring their own Jinja `chat_template` (vLLM's flag of the same name): a
     template runs on the workers, and a slow one takes their CPU until vLLM's render timeout."""
+    max_reply_bytes: int = 16 * 1024 * 1024
+    """A batch of results stops at this many bytes encoded (it has at least one result); the
+    stream reads as few results at a time. One trainer's `count=1024` of big groups would
+    otherwise be held in the gateway's memory at once."""
 
     def validate(self) -> GatewaySettings:
         if self.tokens is None and not self.no_auth:
@@ -80,9 +89,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         if not 1024 <= self.max_body_bytes <= 2**31:
             raise InvalidInput("max_body_bytes", f"{self.max_body_bytes} is out of range [1024, 2**31]")
         for name, lo, hi in (("header_timeout_s", 0.1, 3600), ("body_timeout_s", 0.1, 3600),
-                             ("max_connections", 1, 1_000_000)):
+                             ("max_connections", 1, 1_000_000), ("max_reply_bytes", 1024, 2**31)):
             if not lo <= getattr(self, name) <= hi:
                 raise InvalidInput(name, f"{name}={getattr(self, name)} is out of range [{lo}, {hi}]")
+        if self.body_bytes_in_flight is not None and not \
+                self.max_body_bytes <= self.body_bytes_in_flight <= 2**40:
+            raise InvalidInput("body_bytes_in_flight", f"{self.body_bytes_in_flight} is out of range "
+                                                       f"[max_body_bytes={self.max_body_bytes}, 2**40]")
         self.weight_roots = [Path(p).resolve() for p in (self.weight_roots or [self.weight_store])]
         return self
 
@@ -110,6 +123,7 @@ class Gateway:
         if key not in self._clients:
             self._clients[key] = RolloutClient(policy=policy, trainer_id=trainer, redis=self.redis,
                                                max_outstanding=self.settings.max_outstanding,
+                                               max_outstanding_bytes=self.settings.max_outstanding_bytes,
                                                weight_store=self.settings.weight_store)
         return self._clients[key]
 

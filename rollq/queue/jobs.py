@@ -50,6 +50,7 @@ async def enqueue(
     job_id: str,
     items: list[bytes],
     quota: int,
+    byte_quota: int,
     deadline: float,
     meta: bytes,
     min_version: int = 0,
@@ -57,16 +58,23 @@ async def enqueue(
 ) -> Enqueued:
     """Write the job record and one work entry per group in one round trip.
 
-    Raises QueueFull when the trainer's outstanding groups plus these would pass its quota.
+    Raises QueueFull when the trainer's outstanding groups plus these would pass its quota, or
+    the bytes of its queued items plus these would pass `byte_quota`.
     """
     reply = await scripts.enqueue(
         keys=[keys.job(trainer, job_id), keys.work(trainer), keys.trainers, keys.outstanding(trainer),
-              keys.quota(trainer), keys.bounded_jobs],
+              keys.quota(trainer), keys.bounded_jobs, keys.outstanding_bytes(trainer)],
         args=[trainer, quota, len(items), time.time(), deadline, meta, job_id, min_version,
-              "" if max_version is None else max_version, *items],
+              "" if max_version is None else max_version, byte_quota, *items],
         client=redis,
     )
     verdict = reply[0].decode()
+    if verdict == "bytes":
+        queued, limit, size = int(reply[1]), int(reply[2]), int(reply[3])
+        raise QueueFull(f"trainer {trainer!r} has {queued} bytes of prompts queued; this job's "
+                        f"{size} bytes would pass its quota of {limit} bytes (max_outstanding_bytes; "
+                        "items count until a worker finishes them)", limit=quota, groups=len(items),
+                        queued_bytes=queued, byte_limit=limit, job_bytes=size)
     if verdict == "full":
         outstanding, limit = int(reply[1]), int(reply[2])
         if len(items) > limit:
@@ -81,6 +89,10 @@ async def enqueue(
 
 async def outstanding(redis: Redis, keys: Keys, trainer: str) -> int:
     return int(await redis.get(keys.outstanding(trainer)) or 0)
+
+
+async def queued_bytes(redis: Redis, keys: Keys, trainer: str) -> int:
+    return int(await redis.get(keys.outstanding_bytes(trainer)) or 0)
 
 
 async def job_status(redis: Redis, keys: Keys, trainer: str, job_id: str) -> JobStatus | None:

@@ -50,6 +50,12 @@ class Keys:
         """Counter: groups submitted by a trainer whose result it has not acknowledged."""
         return f"{self._p}:outstanding:{trainer}"
 
+    def outstanding_bytes(self, trainer: str) -> str:
+        """Counter: bytes of a trainer's encoded work items still in its work stream (queued or
+        being generated); capped per submit, counted off by `finish`, reset by a submit that
+        finds the stream empty (so drift cannot block a trainer for good)."""
+        return f"{self._p}:outstanding-bytes:{trainer}"
+
     @property
     def trainers(self) -> str:
         """Set of trainers that have a work stream."""

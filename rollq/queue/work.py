@@ -232,7 +232,8 @@ class WorkQueue:
         job_id = claimed.job_id or "-"
         group = "" if claimed.group_index is None else str(claimed.group_index)
         call = ([claimed.stream, self.keys.results(trainer), self.keys.job(trainer, job_id),
-                 self.keys.done(trainer, job_id), self.keys.errors, self.keys.dead],
+                 self.keys.done(trainer, job_id), self.keys.errors, self.keys.dead,
+                 self.keys.outstanding_bytes(trainer)],
                 [self.consumer, claimed.entry_id, group if claimed.job_id else "", status,
                  payload, self.job_ttl_s, dead_reason, claimed.data or b""])
         reply = asyncio.get_running_loop().create_future()

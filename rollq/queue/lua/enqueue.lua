@@ -1,8 +1,10 @@
 -- Submit one job: its record and one work entry per group, atomically, in one round trip.
--- KEYS: job, work stream, trainers set, outstanding counter, the trainer's cap, bounded-jobs set
+-- KEYS: job, work stream, trainers set, outstanding counter, the trainer's cap, bounded-jobs set,
+--       outstanding-bytes counter
 -- ARGV: trainer, client quota, groups, created_at, deadline, meta, job_id, min_version,
---       max_version ('' for none), item1..itemN
--- Returns {'ok'}, {'dup'} (this job_id exists: idempotent submit) or {'full', outstanding, quota}.
+--       max_version ('' for none), byte quota, item1..itemN
+-- Returns {'ok'}, {'dup'} (this job_id exists: idempotent submit), {'full', outstanding, quota}
+-- or {'bytes', queued bytes, byte quota, this job's bytes}.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {'dup'}
 end
@@ -16,6 +18,18 @@ local outstanding = tonumber(redis.call('GET', KEYS[4]) or '0')
 if outstanding + groups > quota then
   return {'full', outstanding, quota}
 end
+local nbytes = 0
+for i = 1, groups do
+  nbytes = nbytes + #ARGV[10 + i]
+end
+-- Nothing in the stream means nothing queued or running: whatever the counter says is drift.
+if redis.call('XLEN', KEYS[2]) == 0 then
+  redis.call('SET', KEYS[7], 0)
+end
+local queued = tonumber(redis.call('GET', KEYS[7]) or '0')
+if queued + nbytes > tonumber(ARGV[10]) then
+  return {'bytes', queued, ARGV[10], nbytes}
+end
 -- '0' so that entries added before any worker starts are still delivered; BUSYGROUP is fine.
 redis.pcall('XGROUP', 'CREATE', KEYS[2], 'workers', '0', 'MKSTREAM')
 redis.call('HSET', KEYS[1], 'trainer', ARGV[1], 'groups', groups, 'done', 0, 'ok', 0,
@@ -28,8 +42,9 @@ if ARGV[9] ~= '' then
 end
 for i = 1, groups do
   -- j and g repeat the payload's job and group so a malformed payload can still be named.
-  redis.call('XADD', KEYS[2], '*', 'j', ARGV[7], 'g', i - 1, 'd', ARGV[9 + i])
+  redis.call('XADD', KEYS[2], '*', 'j', ARGV[7], 'g', i - 1, 'd', ARGV[10 + i])
 end
 redis.call('INCRBY', KEYS[4], groups)
+redis.call('INCRBY', KEYS[7], nbytes)
 redis.call('SADD', KEYS[3], ARGV[1])
 return {'ok'}

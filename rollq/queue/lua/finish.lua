@@ -1,5 +1,6 @@
 -- Write the one terminal result of a work entry, if the caller still owns it (fencing).
--- KEYS: work stream, result stream, job, done hash, errors hash, dead-letter stream
+-- KEYS: work stream, result stream, job, done hash, errors hash, dead-letter stream,
+--       outstanding-bytes counter (the raw item's bytes leave it with the entry; optional)
 -- ARGV: consumer, entry id, group index ('' when unknown), status, result payload, job ttl (s),
 --       dead-letter reason ('' for none), raw item (kept in the dead letter)
 -- Returns 'ok', 'dup' (the group already had its result: entry dropped) or 'lost' (not ours).
@@ -10,6 +11,9 @@ end
 redis.call('XACK', KEYS[1], 'workers', ARGV[2])
 -- Consumed entries are deleted rather than trimmed: nothing pending is ever cut away.
 redis.call('XDEL', KEYS[1], ARGV[2])
+if KEYS[7] and redis.call('DECRBY', KEYS[7], #ARGV[8]) < 0 then
+  redis.call('SET', KEYS[7], 0)
+end
 redis.call('HDEL', KEYS[5], ARGV[2])
 if ARGV[7] ~= '' then
   redis.call('XADD', KEYS[6], 'MAXLEN', '~', 100000, '*', 'stream', KEYS[1], 'id', ARGV[2],
