@@ -4,6 +4,8 @@
 --       max_version ('' for none), item1..itemN
 -- Returns {'ok'}, {'dup'} (this job_id exists: idempotent submit) or {'full', outstanding, quota}.
 if redis.call('EXISTS', KEYS[1]) == 1 then
+  -- A write (of nothing), so that a WAIT after a repeated submit covers the job's record too.
+  redis.call('INCRBY', KEYS[4], 0)
   return {'dup'}
 end
 local groups = tonumber(ARGV[3])
