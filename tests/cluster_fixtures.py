@@ -7,17 +7,23 @@ them. A short node timeout makes a killed primary's replica take over within a f
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import random
 import shutil
 import socket
 import subprocess
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis as redis_sync
 from redis.cluster import key_slot
 
+from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
+from rollq.queue.keys import Keys
 
 NODE_TIMEOUT_MS = 1500
 """How long a primary may be silent before its replica takes over (redis default: 15 s)."""
@@ -126,3 +132,72 @@ class ClusterProcesses:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+@dataclass
+class FailoverCount:
+    """What a trainer lost while primaries were killed under it."""
+
+    acknowledged: dict[str, int] = field(default_factory=dict)
+    """Job id -> groups, for every submit that returned."""
+    lost_jobs: list[str] = field(default_factory=list)
+    """Acknowledged submits whose job record is gone (their groups never come)."""
+    missing_results: int = 0
+    """Groups of surviving jobs without a result when the run ended."""
+    duplicates: int = 0
+    """Results delivered more than once."""
+    submit_s: list[float] = field(default_factory=list)
+    """Latency of each acknowledged submit."""
+
+
+async def submit_through_failovers(cluster: ClusterProcesses, url: str, policy: str, *, failovers: int,
+                                   submitters: int = 4, groups: int = 4,
+                                   settle_s: float = 60) -> FailoverCount:
+    """Trainers submit (job ids `<submitter>-<i>`) and read results while the primary of the
+    policy's slot is SIGKILLed `failovers` times; a worker must already serve `policy` on `url`.
+    Then count what was lost."""
+    count, received = FailoverCount(), Counter()
+    stop = asyncio.Event()
+    async with RolloutClient(url, policy=policy, trainer_id="trainer", reconnect_s=120) as client:
+        async def submit(k: int) -> None:
+            for i in itertools.count():
+                if stop.is_set():
+                    return
+                began = time.monotonic()
+                job = await client.submit([[k + 1, i, g] for g in range(groups)], n=1, job_id=f"{k}-{i}")
+                count.submit_s.append(time.monotonic() - began)
+                count.acknowledged[job] = groups
+
+        async def read() -> None:
+            async for result in client.results(block_s=0.5):
+                received[(result.job_id, result.group_index)] += 1
+
+        reader = asyncio.create_task(read())
+        senders = [asyncio.create_task(submit(k)) for k in range(submitters)]
+        for _ in range(failovers):
+            await asyncio.sleep(1.0)  # traffic before each kill
+            await asyncio.to_thread(cluster.fail_over_by_kill, Keys(policy).trainers)
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*senders)
+        for job in count.acknowledged:
+            if await _job_gone(client, job):
+                count.lost_jobs.append(job)
+        expected = {(j, g) for j, n in count.acknowledged.items() if j not in count.lost_jobs
+                    for g in range(n)}
+        give_up = time.monotonic() + settle_s
+        while not expected <= set(received) and time.monotonic() < give_up:
+            await asyncio.sleep(0.2)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+    count.missing_results = len(expected - set(received))
+    count.duplicates = sum(n - 1 for n in received.values())
+    return count
+
+
+async def _job_gone(client: RolloutClient, job_id: str) -> bool:
+    try:
+        await client.status(job_id)
+    except KeyError:
+        return True
+    return False

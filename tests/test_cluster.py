@@ -16,7 +16,8 @@ from collections import Counter
 import aiohttp
 import numpy as np
 import pytest
-from cluster_fixtures import ClusterProcesses
+from cluster_fixtures import ClusterProcesses, submit_through_failovers
+from conftest import WorkerProcess
 from helpers import collect, wait_until
 from redis.asyncio import Redis, RedisCluster
 from redis.cluster import key_slot
@@ -187,3 +188,19 @@ def test_every_key_of_a_policy_is_in_one_slot():
              keys.outstanding("a"), keys.trainers, keys.quotas, keys.errors, keys.dead, keys.versions,
              keys.latest, keys.version_events, keys.bounded_jobs, keys.workers, keys.worker("w")]
     assert len({key_slot(k.encode()) for k in names}) == 1
+
+
+async def test_durable_submits_survive_three_failovers(cluster, policy, tmp_path):
+    """Primaries SIGKILLed under a submitting trainer and a serving worker: with
+    `durable_replicas=1` every acknowledged submit survives, and every group gets its result.
+    (Without it some may be lost: docs/reliability.md has the counts.)"""
+    url = cluster.url + "?durable_replicas=1&durable_timeout_ms=2000"
+    worker = WorkerProcess(url, policy, tmp_path, "fw1", engine="instant", poll_s=0.1, lease_s=2,
+                           max_inflight=16)
+    try:
+        count = await submit_through_failovers(cluster, url, policy, failovers=3)
+    finally:
+        worker.close()
+    assert len(count.acknowledged) > 20
+    assert count.lost_jobs == []
+    assert count.missing_results == 0, worker.log[-3000:]

@@ -21,7 +21,8 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+from redis.exceptions import (ClusterError, ConnectionError, NoScriptError, RedisClusterException,
+                              ResponseError, SlotNotCoveredError, TimeoutError, TryAgainError)
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -39,6 +40,24 @@ class NotReplicated(TimeoutError):
     """WAIT timed out before enough replicas held the write. The write is on the primary and may
     still be lost in a failover; repeating the call (same job id) waits again. A TimeoutError, so
     the client's reconnect loop repeats a submit by itself."""
+
+
+class ClusterUnavailable(ConnectionError):
+    """The cluster cannot serve a slot for now (a primary failed and no replica has taken over
+    yet, or the client's map of the cluster is being rebuilt). A ConnectionError, so every
+    retry loop rides out a failover as it rides out a Redis restart."""
+
+
+def _unavailable(e: BaseException) -> bool:
+    if isinstance(e, (ClusterError, TryAgainError, SlotNotCoveredError)):
+        return True
+    # redis-py raises its base exception also for a wrong call; only these two are transient.
+    return isinstance(e, RedisClusterException) and str(e).startswith(
+        ("Redis Cluster cannot be connected", "All slots are not covered"))
+
+
+def _as_unavailable(e: BaseException) -> BaseException:
+    return ClusterUnavailable(f"redis cluster unavailable: {e}") if _unavailable(e) else e
 
 
 @dataclass(frozen=True)
@@ -138,6 +157,14 @@ class Cluster(RedisCluster):
         self.script_sources[registered.sha] = script
         return registered
 
+    async def execute_command(self, *args, **kwargs):
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except Exception as e:
+            if _unavailable(e):
+                raise _as_unavailable(e) from e
+            raise
+
     def pipeline(self, transaction=None, shard_hint=None) -> ClusterPipeline:
         if transaction or shard_hint:  # refused by redis-py's cluster pipeline, with its message
             return super().pipeline(transaction, shard_hint)
@@ -177,14 +204,32 @@ class ClusterPipe(ClusterPipeline):
         for cmd in stack:
             if cmd.position in self._wait_keys and (cmd.result is None or isinstance(cmd.result, Exception)):
                 cmd.kwargs["target_nodes"] = client.get_node_from_key(self._wait_keys[cmd.position])
-        return await super()._execute(client, stack, raise_on_error, allow_redirections)
+        try:
+            return await super()._execute(client, stack, raise_on_error, allow_redirections)
+        except AttributeError:
+            # redis-py 5.3: with errors among the replies it looks up the default node, which is
+            # None while another task rebuilds the cluster map (a failover). Every reply is in
+            # place by then, so return them as it would have.
+            if client.get_default_node() is not None or raise_on_error:
+                raise
+            return [cmd.result for cmd in stack]
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list:
         stack, waits = list(self._command_stack), dict(self._wait_keys)
         try:
             replies = await super().execute(raise_on_error=False, allow_redirections=allow_redirections)
+        except Exception as e:
+            if _unavailable(e):
+                raise _as_unavailable(e) from e
+            raise
         finally:
             self._wait_keys = {}
+        replies = [_as_unavailable(r) if isinstance(r, Exception) else r for r in replies]
+        for reply in replies:
+            # As on one Redis, where a broken connection fails the whole pipeline: callers
+            # retry connection errors, and expect only replies of Redis itself in the list.
+            if isinstance(reply, (ConnectionError, TimeoutError)):
+                raise reply
         missing = [i for i, (cmd, r) in enumerate(zip(stack, replies))
                    if isinstance(r, NoScriptError) and cmd.args[0] == "EVALSHA"]
         if missing:
