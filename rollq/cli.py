@@ -289,6 +289,8 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
         raise click.BadParameter(str(e)) from None
     click.echo("ACL SETUSER " + " ".join(rules))
     click.echo(f"# then connect with redis://{user}:{password}@HOST:6379/0", err=True)
+    click.echo("# Redis Cluster: ACLs are per node; run it on every node, replicas too "
+               "(redis-cli --cluster call HOST:PORT ACL SETUSER ...)", err=True)
 
 
 @main.command()

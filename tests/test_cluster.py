@@ -21,13 +21,16 @@ from conftest import WorkerProcess
 from helpers import collect, wait_until
 from redis.asyncio import Redis, RedisCluster
 from redis.cluster import key_slot
+from redis.exceptions import NoPermissionError
 from safetensors.numpy import save_file
 
+from rollq.client import RolloutClient
 from rollq.engine.instant import expected_tokens
 from rollq.protocol import pack_tokens
 from rollq.queue.connection import Durability, connect, parse_url
 from rollq.queue.keys import Keys
 from rollq.queue.work import WorkQueue
+from rollq.security import trainer_acl
 from rollq.status import policies, policy_status
 
 
@@ -188,6 +191,27 @@ def test_every_key_of_a_policy_is_in_one_slot():
              keys.outstanding("a"), keys.trainers, keys.quotas, keys.errors, keys.dead, keys.versions,
              keys.latest, keys.version_events, keys.bounded_jobs, keys.workers, keys.worker("w")]
     assert len({key_slot(k.encode()) for k in names}) == 1
+
+
+async def test_acl_users_on_every_node(cluster, redis, make_worker, policy):
+    """`rollq acl` rules work on a cluster once set on every node (ACLs are per node), with the
+    commands a cluster client needs (CLUSTER SLOTS, COMMAND) and WAIT for durability."""
+    for rule in (trainer_acl(policy, "alice", "alice-pw"), trainer_acl(policy, "bob", "bob-pw")):
+        await redis.execute_command("ACL", "SETUSER", *rule, target_nodes=RedisCluster.ALL_NODES)
+    make_worker("w1")
+    seeds = cluster.url.removeprefix("redis+cluster://")
+    alice = RolloutClient(f"redis+cluster://alice:alice-pw@{seeds}?durable_replicas=1",
+                          policy=policy, trainer_id="alice")
+    try:
+        await alice.submit([[1, 2]], n=1, sampling={"max_tokens": 2})
+        [mine] = await alice.take(1, timeout_s=30)
+        assert (mine.status, mine.prompt_ids) == ("ok", [1, 2])
+        with pytest.raises(NoPermissionError):
+            await alice.redis.xrange(Keys(policy).results("bob"))
+    finally:
+        await alice.close()
+        for user in ("alice", "bob"):
+            await redis.execute_command("ACL", "DELUSER", user, target_nodes=RedisCluster.ALL_NODES)
 
 
 async def test_durable_submits_survive_three_failovers(cluster, policy, tmp_path):
