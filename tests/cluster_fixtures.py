@@ -60,13 +60,17 @@ class ClusterProcesses:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:3]) + "/"
 
     def start(self, timeout_s: float = 60) -> ClusterProcesses:
-        for node in self.nodes:
-            node.start()
-        subprocess.run(["redis-cli", "--cluster", "create",
-                        *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                       check=True, capture_output=True, timeout=timeout_s)
-        self.wait_healthy(timeout_s)
+        try:
+            for node in self.nodes:
+                node.start()
+            subprocess.run(["redis-cli", "--cluster", "create",
+                            *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                            "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                           check=True, capture_output=True, timeout=timeout_s)
+            self.wait_healthy(timeout_s)
+        except BaseException:  # no node may outlive a failed start
+            self.stop()
+            raise
         return self
 
     def _client(self, node: RedisProcess) -> redis_sync.Redis:
