@@ -117,12 +117,14 @@ async def per_group(cluster: ClusterProcesses, groups: int = 2000, per_job: int 
 
 async def main() -> None:
     out = {}
+    log_dir = results_dir()  # the worker logs of the failover runs stay for a look
+    log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         cluster = ClusterProcesses(Path(tmp) / "cluster").start()
         try:
             out["per_group"] = await per_group(cluster)
             out["latency"] = [await latency(cluster, d) for d in (False, True)]
-            out["failovers"] = [await failovers(cluster, d, Path(tmp)) for d in (False, True)]
+            out["failovers"] = [await failovers(cluster, d, log_dir) for d in (False, True)]
         finally:
             cluster.stop()
     print(json.dumps(out, indent=1))

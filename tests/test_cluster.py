@@ -90,6 +90,9 @@ async def test_scripts_come_back_on_a_node_that_forgot_them(cluster, redis, make
     await redis.execute_command("SCRIPT FLUSH", target_nodes=RedisCluster.PRIMARIES)
     assert await queue.renew(claimed) == []
     await redis.execute_command("SCRIPT FLUSH", target_nodes=RedisCluster.PRIMARIES)
+    assert await queue.release(claimed[:1]) == 1  # a script called alone
+    claimed[:1] = await queue.reclaim(await queue.streams(), 60_000, 1)
+    await redis.execute_command("SCRIPT FLUSH", target_nodes=RedisCluster.PRIMARIES)
     assert [await queue.finish(c, "failed", b"x") for c in claimed] == ["ok"] * 3
     assert (await client.status(claimed[0].job_id)).failed == 3
 

@@ -160,6 +160,14 @@ class Cluster(RedisCluster):
     async def execute_command(self, *args, **kwargs):
         try:
             return await super().execute_command(*args, **kwargs)
+        except NoScriptError:
+            # The slot's node lacks the script (a promoted replica: Redis does not replicate its
+            # script cache). redis-py would SCRIPT LOAD on the primaries it knows, which after a
+            # failover may not include this one; EVAL runs and caches it wherever the slot is.
+            source = self.script_sources.get(args[1]) if args[0] == "EVALSHA" else None
+            if source is None:
+                raise
+            return await self.execute_command("EVAL", source, *args[2:], **kwargs)
         except Exception as e:
             if _unavailable(e):
                 raise _as_unavailable(e) from e
@@ -177,7 +185,7 @@ class ClusterPipe(ClusterPipeline):
     - redis-py's Script awaits `pipe.evalsha(...)`; the cluster pipeline refuses EVALSHA, and
       awaiting it empties the pipeline. Here EVALSHA is queued, and awaiting returns the pipe.
     - A node without the script (a promoted replica: Redis does not replicate its script cache)
-      answers NOSCRIPT; those calls, and any WAIT after them, are sent again after SCRIPT LOAD.
+      answers NOSCRIPT; those calls are sent again as EVAL, with any WAIT after them.
     - WAIT has no key, so redis-py would send it to its default node; here it goes to the node of
       a given key, on the connection that carried the writes before it.
     """
@@ -241,21 +249,17 @@ class ClusterPipe(ClusterPipeline):
         return replies
 
     async def _load_and_resend(self, stack, waits, replies, first: int) -> None:
+        """Send the NOSCRIPT calls again as EVAL (which caches the script on the slot's node),
+        with every WAIT after them, in order, on one connection."""
         sources = self._client.script_sources
-        # (sha, first key): SCRIPT LOAD on that key's node only, as the others may be down.
-        for sha, key in {stack[i].args[1:4:2] for i in range(first, len(stack))
-                         if isinstance(replies[i], NoScriptError)}:
-            if sha in sources:
-                await self._client.execute_command("SCRIPT LOAD", sources[sha],
-                                                   target_nodes=self._client.get_node_from_key(key))
         again = [i for i in range(first, len(stack))
-                 if isinstance(replies[i], NoScriptError) or i in waits]
+                 if (isinstance(replies[i], NoScriptError) and stack[i].args[1] in sources) or i in waits]
         async with self._client.pipeline() as pipe:
             for i in again:
                 if i in waits:
                     pipe.wait_for_replicas(waits[i], Durability(*map(int, stack[i].args[1:3])))
                 else:
-                    pipe.execute_command(*stack[i].args)
+                    pipe.execute_command("EVAL", sources[stack[i].args[1]], *stack[i].args[2:])
             for i, reply in zip(again, await pipe.execute(raise_on_error=False)):
                 replies[i] = reply
 
