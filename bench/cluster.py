@@ -2,12 +2,13 @@
 (tests/cluster_fixtures.py):
 
 1. failovers: a trainer submits (4 submitters, jobs of 4 groups) while a worker process serves
-   and the policy's primary is SIGKILLed 3 times; counted without and with durable_replicas=1.
+   and the policy's primary is SIGKILLed 3 times (at once, or after its replica lagged 2 s);
+   counted without and with durable_replicas=1.
 2. submit latency without and with `WAIT 1` (no failover; jobs of 4 groups, n=8).
 3. per group: Redis commands, CPU time, network bytes and memory on the policy's primary for
    2,000 groups submitted, served (instant engine), read and acknowledged.
 
-    PYTHONPATH=. python bench/cluster.py      # prints JSON, writes bench/results/cluster.json
+    PYTHONPATH=. python bench/cluster.py [--failovers-only]   # prints JSON, writes bench/results/cluster.json
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _ms(values: list[float], q: float) -> float:
     return round(statistics.quantiles(values, n=100)[int(q) - 1] * 1000, 2)
 
 
-async def failovers(cluster: ClusterProcesses, durable: bool, log_dir: Path) -> dict:
+async def failovers(cluster: ClusterProcesses, durable: bool, log_dir: Path, lag_s: float) -> dict:
     url = cluster.url + (DURABLE if durable else "")
     policy = f"fo{uuid.uuid4().hex[:8]}"
     with open(log_dir / f"{policy}.log", "w") as log:
@@ -52,11 +53,11 @@ async def failovers(cluster: ClusterProcesses, durable: bool, log_dir: Path) -> 
                                    "--policy", policy, "--engine", "instant", "--lease-s", "2",
                                    "--max-inflight", "16", "--poll-s", "0.1"], stdout=log, stderr=log)
         try:
-            count = await submit_through_failovers(cluster, url, policy, failovers=3)
+            count = await submit_through_failovers(cluster, url, policy, failovers=3, lag_s=lag_s)
         finally:
             worker.kill()
             worker.wait()
-    return dict(durable=durable, acknowledged_jobs=len(count.acknowledged),
+    return dict(durable=durable, replica_lag_s=lag_s, acknowledged_jobs=len(count.acknowledged),
                 lost_jobs=len(count.lost_jobs),
                 lost_groups=sum(count.acknowledged[j] for j in count.lost_jobs),
                 missing_results=count.missing_results, duplicates=count.duplicates,
@@ -122,13 +123,16 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cluster = ClusterProcesses(Path(tmp) / "cluster").start()
         try:
-            out["per_group"] = await per_group(cluster)
-            out["latency"] = [await latency(cluster, d) for d in (False, True)]
-            out["failovers"] = [await failovers(cluster, d, log_dir) for d in (False, True)]
+            if "--failovers-only" not in sys.argv:
+                out["per_group"] = await per_group(cluster)
+                out["latency"] = [await latency(cluster, d) for d in (False, True)]
+            out["failovers"] = [await failovers(cluster, d, log_dir, lag)
+                                for lag in (0.0, 2.0) for d in (False, True)]
         finally:
             cluster.stop()
     print(json.dumps(out, indent=1))
-    (results_dir() / "cluster.json").write_text(json.dumps(out, indent=1))
+    name = "cluster-failovers.json" if "--failovers-only" in sys.argv else "cluster.json"
+    (results_dir() / name).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

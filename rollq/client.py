@@ -191,7 +191,8 @@ class RolloutClient:
                     raise
                 limit = full.limit  # the effective cap: the operator's may be below ours
             # Poll the cheap counter, not the whole batch, until there is room.
-            while await jobs.outstanding(self.redis, self.keys, self.trainer_id) + len(items) > limit:
+            while (await self._retrying(jobs.outstanding, self.redis, self.keys, self.trainer_id)
+                   + len(items) > limit):
                 if give_up is not None and time.monotonic() >= give_up:
                     break
                 await asyncio.sleep(delay * (0.5 + random.random()))

@@ -119,11 +119,26 @@ class ClusterProcesses:
                     return next(n for n in self.nodes if n.port == int(primary[1]))
         raise RuntimeError(f"no node serves slot {slot}")
 
-    def fail_over_by_kill(self, key: str, timeout_s: float = 60) -> RedisProcess:
+    def replica_of(self, primary: RedisProcess) -> RedisProcess:
+        port = int(self._info(primary, "replication")["slave0"]["port"])
+        return next(n for n in self.nodes if n.port == port)
+
+    def fail_over_by_kill(self, key: str, *, lag_s: float = 0.0, timeout_s: float = 60) -> RedisProcess:
         """SIGKILL the primary of `key`'s slot, wait until a replica serves it, then restart the
-        killed node (as a supervisor would): it rejoins as a replica. Returns the new primary."""
+        killed node (as a supervisor would): it rejoins as a replica. Returns the new primary.
+
+        `lag_s`: first freeze the replica that long (SIGSTOP), so that it lags as a replica on a
+        busy or distant host does; what the primary acknowledged meanwhile and could not hand
+        to the replica's socket dies with it. On loopback a replica is otherwise microseconds
+        behind and a kill loses nothing measurable."""
         old = self.primary_of(key)
+        replica = self.replica_of(old) if lag_s else None
+        if replica is not None:
+            replica.pause()
+            time.sleep(lag_s)
         old.kill()
+        if replica is not None:
+            replica.resume()
         give_up = time.monotonic() + timeout_s
         while (new := self.primary_of(key)) is old:
             if time.monotonic() > give_up:
@@ -155,11 +170,11 @@ class FailoverCount:
 
 
 async def submit_through_failovers(cluster: ClusterProcesses, url: str, policy: str, *, failovers: int,
-                                   submitters: int = 4, groups: int = 4,
+                                   lag_s: float = 0.0, submitters: int = 4, groups: int = 4,
                                    settle_s: float = 60) -> FailoverCount:
     """Trainers submit (job ids `<submitter>-<i>`) and read results while the primary of the
-    policy's slot is SIGKILLed `failovers` times; a worker must already serve `policy` on `url`.
-    Then count what was lost."""
+    policy's slot is SIGKILLed `failovers` times, each time after its replica lagged `lag_s`;
+    a worker must already serve `policy` on `url`. Then count what was lost."""
     count, received = FailoverCount(), Counter()
     stop = asyncio.Event()
     async with RolloutClient(url, policy=policy, trainer_id="trainer", reconnect_s=120) as client:
@@ -180,7 +195,7 @@ async def submit_through_failovers(cluster: ClusterProcesses, url: str, policy: 
         senders = [asyncio.create_task(submit(k)) for k in range(submitters)]
         for _ in range(failovers):
             await asyncio.sleep(1.0)  # traffic before each kill
-            await asyncio.to_thread(cluster.fail_over_by_kill, Keys(policy).trainers)
+            await asyncio.to_thread(cluster.fail_over_by_kill, Keys(policy).trainers, lag_s=lag_s)
         await asyncio.sleep(1.0)
         stop.set()
         await asyncio.gather(*senders)

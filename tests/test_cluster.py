@@ -218,14 +218,16 @@ async def test_acl_users_on_every_node(cluster, redis, make_worker, policy):
 
 
 async def test_durable_submits_survive_three_failovers(cluster, policy, tmp_path):
-    """Primaries SIGKILLed under a submitting trainer and a serving worker: with
-    `durable_replicas=1` every acknowledged submit survives, and every group gets its result.
-    (Without it some may be lost: docs/reliability.md has the counts.)"""
+    """Primaries SIGKILLed under a submitting trainer and a serving worker, each time after its
+    replica lagged: with `durable_replicas=1` every acknowledged submit survives, and every
+    group gets its result. (Without it some are lost: docs/reliability.md has the counts.)"""
     url = cluster.url + "?durable_replicas=1&durable_timeout_ms=2000"
     worker = WorkerProcess(url, policy, tmp_path, "fw1", engine="instant", poll_s=0.1, lease_s=2,
                            max_inflight=16)
     try:
-        count = await submit_through_failovers(cluster, url, policy, failovers=3)
+        # The replica lags 1 s before each kill: without WAIT, submits acknowledged in that
+        # second are lost with the primary (bench/cluster.py counts them).
+        count = await submit_through_failovers(cluster, url, policy, failovers=3, lag_s=1.0)
     finally:
         worker.close()
     assert len(count.acknowledged) > 20
