@@ -43,28 +43,34 @@ def free_cluster_port() -> int:
 
 
 class ClusterProcesses:
-    def __init__(self, workdir: Path, *, primaries: int = 3, replicas: int = 1):
+    def __init__(self, workdir: Path, *, primaries: int = 3, replicas: int = 1, host: str = "127.0.0.1"):
+        """`host`: also listen on, and announce, this address (e.g. a veth end that processes in
+        other network namespaces reach); loopback stays for the fixture's own checks."""
         if shutil.which("redis-cli") is None:
             raise RuntimeError("redis-cli is not installed (apt-get install redis-server)")
-        self.replicas = replicas
+        self.replicas, self.host = replicas, host
         self.nodes: list[RedisProcess] = []
         for _ in range(primaries * (1 + replicas)):
             port = free_cluster_port()
-            self.nodes.append(RedisProcess(workdir / str(port), port=port, extra=[
-                "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                "--cluster-node-timeout", str(NODE_TIMEOUT_MS)]))
+            extra = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                     "--cluster-node-timeout", str(NODE_TIMEOUT_MS)]
+            if host != "127.0.0.1":
+                # No password on these test nodes: protected mode would refuse the other address.
+                extra += ["--bind", "127.0.0.1", host, "--cluster-announce-ip", host,
+                          "--protected-mode", "no"]
+            self.nodes.append(RedisProcess(workdir / str(port), port=port, extra=extra))
 
     @property
     def url(self) -> str:
         """Three seed nodes: the client still finds the cluster when one of them is down."""
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:3]) + "/"
+        return "redis+cluster://" + ",".join(f"{self.host}:{n.port}" for n in self.nodes[:3]) + "/"
 
     def start(self, timeout_s: float = 60) -> ClusterProcesses:
         try:
             for node in self.nodes:
                 node.start()
             subprocess.run(["redis-cli", "--cluster", "create",
-                            *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                            *(f"{self.host}:{n.port}" for n in self.nodes),
                             "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                            check=True, capture_output=True, timeout=timeout_s)
             self.wait_healthy(timeout_s)
