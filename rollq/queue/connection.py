@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode
 
+import redis
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline
 from redis.asyncio.retry import Retry
@@ -149,6 +150,11 @@ class Cluster(RedisCluster):
     """redis-py's async RedisCluster, with a pipeline that takes rollq's Lua scripts."""
 
     def __init__(self, *args, **kwargs):
+        # ClusterPipe overrides private parts of redis-py 5's cluster pipeline; redis-py 6
+        # rebuilt it, and a WAIT sent to the wrong node would promise durability falsely.
+        if not redis.__version__.startswith("5.") or not hasattr(ClusterPipeline, "_execute"):
+            raise RuntimeError(f"rollq's Redis Cluster support is written against redis-py 5.x, found "
+                               f"{redis.__version__}; install redis>=5.3,<6 for cluster URLs")
         super().__init__(*args, **kwargs)
         self.script_sources: dict[str, bytes | str] = {}
 
@@ -241,14 +247,14 @@ class ClusterPipe(ClusterPipeline):
         missing = [i for i, (cmd, r) in enumerate(zip(stack, replies))
                    if isinstance(r, NoScriptError) and cmd.args[0] == "EVALSHA"]
         if missing:
-            await self._load_and_resend(stack, waits, replies, missing[0])
+            await self._resend_as_eval(stack, waits, replies, missing[0])
         if raise_on_error:
             for reply in replies:
                 if isinstance(reply, Exception):
                     raise reply
         return replies
 
-    async def _load_and_resend(self, stack, waits, replies, first: int) -> None:
+    async def _resend_as_eval(self, stack, waits, replies, first: int) -> None:
         """Send the NOSCRIPT calls again as EVAL (which caches the script on the slot's node),
         with every WAIT after them, in order, on one connection."""
         sources = self._client.script_sources
