@@ -324,6 +324,8 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
     # A selector "(...)" is one argument: quoted for redis-cli.
     click.echo("ACL SETUSER " + " ".join(f'"{r}"' if " " in r else r for r in rules))
     click.echo(f"# then connect with redis://{user}:{password}@HOST:6379/0", err=True)
+    click.echo("# Redis Cluster: ACLs are per node; run it on every node, replicas too "
+               "(redis-cli --cluster call HOST:PORT ACL SETUSER ...)", err=True)
 
 
 @main.command()

@@ -316,13 +316,18 @@ class RolloutClient:
                 delay = min(delay * 2, 0.5)
 
     async def _room(self, groups: int, size: int, limit: int, byte_limit: int) -> bool:
-        if await jobs.outstanding(self.redis, self.keys, self.trainer_id) + groups > limit:
+        """Room for the job under both caps? Read through connection loss (a failover)."""
+        def read(func, *args):
+            return self._retrying(func, self.redis, *args)
+
+        if await read(jobs.outstanding, self.keys, self.trainer_id) + groups > limit:
             return False
         if not byte_limit:
             return True
-        if await jobs.queued_bytes(self.redis, self.keys, self.trainer_id) + size <= byte_limit:
+        if await read(jobs.queued_bytes, self.keys, self.trainer_id) + size <= byte_limit:
             return True
-        return await self.redis.xlen(self.keys.work(self.trainer_id)) == 0  # the script resets drift
+        # The submit script resets the byte counter's drift when the work stream is empty.
+        return await self._retrying(self.redis.xlen, self.keys.work(self.trainer_id)) == 0
 
     async def _retrying(self, func, *args, reading: bool = False, **kwargs):
         """`await func(*args, **kwargs)`, again with backoff while Redis is unreachable (a restart, a killed

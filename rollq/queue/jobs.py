@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 
 from rollq.protocol import QueueFull, decode_meta
 from rollq.queue.keys import Keys
-from rollq.queue.scripts import Scripts
+from rollq.queue.scripts import Scripts, call_durably
 
 
 class JobStatus(msgspec.Struct, frozen=True):
@@ -61,12 +61,12 @@ async def enqueue(
     Raises QueueFull when the trainer's outstanding groups plus these would pass its quota, or
     the bytes of its queued items plus these would pass `byte_quota`.
     """
-    reply = await scripts.enqueue(
+    reply = await call_durably(
+        scripts.enqueue, redis,
         keys=[keys.job(trainer, job_id), keys.work(trainer), keys.trainers, keys.outstanding(trainer),
               keys.quota(trainer), keys.bounded_jobs, keys.outstanding_bytes(trainer)],
         args=[trainer, quota, len(items), time.time(), deadline, meta, job_id, min_version,
               "" if max_version is None else max_version, byte_quota, *items],
-        client=redis,
     )
     verdict = reply[0].decode()
     if verdict == "bytes":

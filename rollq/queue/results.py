@@ -24,7 +24,7 @@ from redis.exceptions import ResponseError
 
 from rollq.protocol import GroupResult, decode_result
 from rollq.queue.keys import TRAINER_GROUP, Keys
-from rollq.queue.scripts import Scripts
+from rollq.queue.scripts import Scripts, call_durably
 
 ACK_CHUNK = 1000
 """Ids per ack call (Lua's unpack has a stack limit)."""
@@ -148,8 +148,8 @@ class ResultReader:
             self._unhanded.pop(entry_id, None)
         acked = 0
         for i in range(0, len(entry_ids), ACK_CHUNK):
-            acked += await self.scripts.ack(keys=[self.stream, self.outstanding],
-                                            args=entry_ids[i:i + ACK_CHUNK], client=self.redis)
+            acked += await call_durably(self.scripts.ack, self.redis, keys=[self.stream, self.outstanding],
+                                        args=entry_ids[i:i + ACK_CHUNK])
         return acked
 
     def replay(self) -> None:

@@ -12,6 +12,8 @@ from importlib import resources
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from rollq.queue.connection import check_replicated, durability, queue_wait
+
 NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish", "pin",
          "retire")
 
@@ -38,3 +40,20 @@ class Scripts:
     publish: AsyncScript
     pin: AsyncScript
     retire: AsyncScript
+
+
+async def call_durably(script: AsyncScript, redis: Redis, *, keys: list, args: list):
+    """`script(keys, args)` on `redis`; when the connection asks for durability (a URL's
+    `durable_replicas`), its reply only after WAIT shows that many replicas hold its writes (else
+    NotReplicated). Script and WAIT share one pipeline, so one round trip and one connection."""
+    wanted = durability(redis)
+    if not wanted.replicas:
+        return await script(keys=keys, args=args, client=redis)
+    async with redis.pipeline(transaction=False) as pipe:
+        await script(keys=keys, args=args, client=pipe)
+        queue_wait(pipe, keys[0], wanted)
+        reply, acked = await pipe.execute(raise_on_error=False)
+    if isinstance(reply, Exception):
+        raise reply
+    check_replicated(acked, wanted)
+    return reply

@@ -8,14 +8,18 @@ and `finish` writes a result only while the caller still owns the entry (fencing
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from rollq.queue.connection import NotReplicated, check_replicated, durability, queue_wait
 from rollq.queue.keys import WORKERS_GROUP, Keys
 from rollq.queue.scripts import Scripts
+
+log = logging.getLogger("rollq.worker")
 
 FINISH_BATCH = 512
 """Most finish calls in one pipelined round trip."""
@@ -39,6 +43,15 @@ class Claimed:
     @property
     def key(self) -> tuple[str, str]:
         return (self.stream, self.entry_id)
+
+
+def _warn_unreplicated(wait_reply, wanted) -> None:
+    """A result already written cannot be taken back: a failover that loses it puts its group
+    back (the finish is lost with it) and the group is generated again; say so, and go on."""
+    try:
+        check_replicated(wait_reply, wanted)
+    except NotReplicated as e:
+        log.warning("results written but not replicated: %s", e)
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -244,13 +257,18 @@ class WorkQueue:
 
     async def _send_finishes(self) -> None:
         await asyncio.sleep(0)  # let the other groups completing in this loop turn join the batch
+        wanted = durability(self.redis)
         while self._finishing:
             batch, self._finishing = self._finishing[:FINISH_BATCH], self._finishing[FINISH_BATCH:]
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for (keys, args), _ in batch:
                         await self.scripts.finish(keys=keys, args=args, client=pipe)
+                    if wanted.replicas:  # one WAIT covers the whole batch
+                        queue_wait(pipe, batch[0][0][0][0], wanted)
                     replies = await pipe.execute(raise_on_error=False)
+                if wanted.replicas:
+                    _warn_unreplicated(replies.pop(), wanted)
             except Exception as e:  # the connection failed: every caller decides whether to retry
                 replies = [e] * len(batch)
             except BaseException:  # cancelled (shutdown): no caller may wait forever

@@ -6,7 +6,7 @@ from redis.asyncio import Redis
 
 from rollq.protocol import VersionEntry, decode_version, encode
 from rollq.queue.keys import Keys
-from rollq.queue.scripts import Scripts
+from rollq.queue.scripts import Scripts, call_durably
 
 
 class VersionConflict(Exception):
@@ -20,10 +20,10 @@ class Registry:
         self.scripts = scripts or Scripts(redis)
 
     async def register(self, entry: VersionEntry) -> None:
-        verdict, latest = await self.scripts.publish(
+        verdict, latest = await call_durably(
+            self.scripts.publish, self.redis,
             keys=[self.keys.versions, self.keys.latest, self.keys.version_events],
             args=[entry.version, encode(entry)],
-            client=self.redis,
         )
         if verdict == b"stale":
             raise VersionConflict(

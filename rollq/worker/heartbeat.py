@@ -43,7 +43,9 @@ class Heartbeat:
         now = time.time()
         beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned,
                            totals or Totals(), self.target)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        # No MULTI (a cluster pipeline cannot be one): live_workers reads only beats whose key
+        # exists, so a sorted-set entry without its beat is harmless.
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.worker(self.worker_id), msgspec.json.encode(beat),
                      px=int(self.ttl_s * 1000))
             pipe.zadd(self.keys.workers, {self.worker_id: now})
@@ -56,7 +58,7 @@ class Heartbeat:
 
     async def remove(self) -> None:
         try:
-            async with self.redis.pipeline(transaction=True) as pipe:
+            async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(self.keys.worker(self.worker_id))
                 pipe.zrem(self.keys.workers, self.worker_id)
                 for held in self.holds:

@@ -6,6 +6,8 @@
 -- Returns {'ok'}, {'dup'} (this job_id exists: idempotent submit), {'full', outstanding, quota}
 -- or {'bytes', queued bytes, byte quota, this job's bytes}.
 if redis.call('EXISTS', KEYS[1]) == 1 then
+  -- A write (of nothing), so that a WAIT after a repeated submit covers the job's record too.
+  redis.call('INCRBY', KEYS[4], 0)
   return {'dup'}
 end
 local groups = tonumber(ARGV[3])
