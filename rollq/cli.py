@@ -212,6 +212,12 @@ async def _run_worker(s: WorkerSettings, vllm_settings: VLLMSettings | None, red
               help="A request body that takes longer to arrive gets a 408.")
 @click.option("--max-connections", envvar="ROLLQ_GATEWAY_MAX_CONNECTIONS", default=1024, show_default=True,
               help="Connections beyond this get a 503 and are closed.")
+@click.option("--max-reply-bytes", envvar="ROLLQ_GATEWAY_MAX_REPLY_BYTES", default=16 * 1024 * 1024,
+              show_default=True, help="A batch of results stops at this many bytes (at least one result).")
+@click.option("--body-bytes-in-flight", envvar="ROLLQ_GATEWAY_BODY_BYTES_IN_FLIGHT", type=int, default=None,
+              help="Request bodies read at once, in bytes [default: 4 x --max-body-bytes]; others wait.")
+@click.option("--max-outstanding-bytes", envvar="ROLLQ_MAX_OUTSTANDING_BYTES", default=1024**3,
+              show_default=True, help="Per trainer: bytes of prompts queued and not yet finished.")
 @click.option("--trust-request-chat-template", is_flag=True, envvar="ROLLQ_TRUST_REQUEST_CHAT_TEMPLATE",
               help="Chat requests may bring their own chat_template (it runs on the workers).")
 def gateway(policies: tuple[str, ...], weight_store: str | None, weight_roots: tuple[str, ...],
