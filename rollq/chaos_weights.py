@@ -40,7 +40,7 @@ import msgspec
 from rich.console import Console
 from safetensors.torch import save_file
 
-from rollq.chaos_reference import Reference, WeightSets, make_tiny_model
+from rollq.chaos_reference import WEIGHT_SETS, Reference, WeightSets, make_tiny_model
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
 from rollq.protocol import GroupResult
@@ -82,6 +82,9 @@ class WeightSummary(msgspec.Struct):
     multi_segment_samples: int
     mislabeled: int
     nonfinite_logprobs: int
+    distinguishable_prompts: int
+    """Prompts whose greedy continuations under the weight sets all differ: how many of the
+    prompts could show a mislabel of a whole sample (0 would make `mislabeled` meaningless)."""
     faults: dict[str, int]
     versions_published: int
     final_version: int
@@ -361,6 +364,9 @@ def _summarize(run: _Run, seed: int, reached: bool, codes: list[int], alive: int
             wrong = reference.mislabels(r.prompt_ids, sample.token_ids, sample.versions)
             mislabeled += len(wrong)
             evidence += [f"group {r.job_id}/{r.group_index} on {r.worker_id}: {w}" for w in wrong]
+    distinguishable = sum(
+        len({reference.greedy(i, tuple(p), run.settings.max_tokens) for i in range(WEIGHT_SETS)})
+        == WEIGHT_SETS for p in PROMPTS)
     lost = sorted(run.submitted - set(run.received))
     evidence += [f"lost {job}/{group}" for job, group in lost]
     return WeightSummary(
@@ -368,7 +374,8 @@ def _summarize(run: _Run, seed: int, reached: bool, codes: list[int], alive: int
         submitted_groups=len(run.submitted), delivered=len(run.submitted & set(run.received)),
         duplicated=sum(c > 1 for c in run.received.values()), lost=len(lost),
         statuses=dict(statuses), samples=samples, segments=segments, multi_segment_samples=multi,
-        mislabeled=mislabeled, nonfinite_logprobs=nonfinite, faults=dict(run.faults),
+        mislabeled=mislabeled, nonfinite_logprobs=nonfinite,
+        distinguishable_prompts=distinguishable, faults=dict(run.faults),
         versions_published=run.version, final_version=run.version, final_version_reached=reached,
         swaps=swaps, refusals=refusals, workers_alive=alive, exit_codes=codes,
         evidence=evidence[:50])
@@ -381,6 +388,8 @@ def render(summary: WeightSummary) -> None:
                   f"samples {summary.samples} ({summary.multi_segment_samples} cut by a swap), "
                   f"segments {summary.segments}, mislabeled {summary.mislabeled}, non-finite "
                   f"logprobs {summary.nonfinite_logprobs}[/bold {colour}]")
+    console.print(f"prompts whose greedy continuations differ under every weight set: "
+                  f"{summary.distinguishable_prompts} of {len(PROMPTS)}")
     console.print(f"statuses {summary.statuses}; faults {summary.faults}; versions published "
                   f"{summary.versions_published}; final version {summary.final_version} reached by "
                   f"every worker: {summary.final_version_reached}; swaps {summary.swaps}; refusals "
