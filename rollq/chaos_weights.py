@@ -27,6 +27,7 @@ import contextlib
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -290,7 +291,7 @@ async def _final_round(run: _Run) -> bool:
     try:
         await _wait_workers(run, time.monotonic() + 180,
                             lambda states: sum(w.version == final for w in states) == len(run.workers))
-    except TimeoutError:
+    except (TimeoutError, RuntimeError):  # stuck or dead: the summary says so, after the rest
         return False
     sampling = {"temperature": 0.0, "max_tokens": run.settings.max_tokens, "logprobs": 0}
     job = await run.client.submit(PROMPTS, n=1, sampling=sampling, job_id="final")
@@ -338,7 +339,13 @@ async def chaos_weights(s: WeightChaosSettings) -> WeightSummary:
         finally:
             await client.close()
             redis.stop()
-    return _summarize(run, seed, reached, codes, alive, swaps, refusals)
+        summary = _summarize(run, seed, reached, codes, alive, swaps, refusals)
+        if not summary.ok:  # the workers' logs are evidence too: keep them past the temp dir
+            kept = Path(tempfile.mkdtemp(prefix="rollq-chaos-weights-logs-"))
+            for worker_id, _ in run.workers:
+                shutil.copy(workdir / f"{worker_id}.log", kept)
+            summary.evidence.append(f"worker logs kept in {kept}")
+    return summary
 
 
 def _worker_counts(run: _Run) -> tuple[dict[str, int], dict[str, int]]:
