@@ -336,22 +336,38 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
 
 @main.command()
 @click.option("--minutes", default=3.0, show_default=True, help="How long to inject faults.")
-@click.option("--workers", default=3, show_default=True, help="Instant-engine worker processes.")
+@click.option("--workers", default=None, type=int,
+              help="Worker processes [default: 3 instant-engine workers; --weights: 2 vLLM workers].")
+@click.option("--weights", is_flag=True,
+              help="Weight faults (publish storms with keep=1, corrupted, rewritten and truncated "
+                   "files) against vLLM workers of a tiny model; every sample checked against "
+                   "transformers under its labelled version.")
 @click.option("--seed", type=int, default=None, help="Random seed (printed; default: random).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the summary here.")
-def chaos(minutes: float, workers: int, seed: int | None, json_path: str | None) -> None:
+def chaos(minutes: float, workers: int | None, weights: bool, seed: int | None,
+          json_path: str | None) -> None:
     """Random worker kills and freezes, Redis restarts and killed connections while a trainer
-    submits and publishes; exits non-zero if any group was lost or delivered twice."""
+    submits and publishes (or, with --weights, weight faults); exits non-zero if any group was
+    lost or delivered twice (--weights: or any token was labelled with the wrong version)."""
     import msgspec
 
-    from rollq.chaos import ChaosSettings, render
-    from rollq.chaos import chaos as run_chaos
-
+    workers = workers if workers is not None else (2 if weights else 3)
     if not 0 < minutes <= 24 * 60 or not 1 <= workers <= 64:
         raise click.BadParameter("minutes must be in (0, 1440] and workers in [1, 64]")
-    summary = asyncio.run(run_chaos(ChaosSettings(minutes=minutes, workers=workers, seed=seed)))
-    render(summary)
+    if weights:
+        from rollq.chaos_weights import WeightChaosSettings, chaos_weights
+        from rollq.chaos_weights import render as render_weights
+
+        summary = asyncio.run(chaos_weights(WeightChaosSettings(minutes=minutes, workers=workers,
+                                                                seed=seed)))
+        render_weights(summary)
+    else:
+        from rollq.chaos import ChaosSettings, render
+        from rollq.chaos import chaos as run_chaos
+
+        summary = asyncio.run(run_chaos(ChaosSettings(minutes=minutes, workers=workers, seed=seed)))
+        render(summary)
     if json_path:
         Path(json_path).write_bytes(msgspec.json.format(msgspec.json.encode(summary)))
     sys.exit(0 if summary.ok else 1)

@@ -1,0 +1,406 @@
+"""`rollq chaos --weights`: weight faults against vLLM worker processes while a trainer submits
+greedy groups; then every sample is checked against the weights its version labels name.
+
+Faults, dealt from a shuffled deck (a short run sees every kind), one every 2-4 s:
+- `storm`: three versions published back to back (copied into the store), `keep=1`;
+- `corrupted`: a version published by reference (`copy=False`), then a byte of it flipped: half
+  of the time with the workers frozen (SIGSTOP) until the damage is done, so each finds it and
+  must refuse; else racing their copies (one that copied first serves the intact bytes);
+- `rewritten`: a version published by reference, then, once a worker has verified it (it drains
+  toward it or loads it), its file rewritten in place with another weight set's bytes;
+- `truncated`: a two-shard version published by reference, then one shard cut short (workers
+  frozen until then).
+Every publish uses `keep=1`. Version v is weight set `v % 3` (`rollq/chaos_reference.py`), so the
+reference of every label is known whatever happened to the files.
+
+Workers: one per swap mode (drain, interrupt), each its own float32 engine of a tiny model made
+on the spot. At the end one clean version is published and every worker must reach it (the
+followers still follow after all the refusals), a last round of groups is served, and then:
+0 lost, 0 duplicated, every group `ok`, 0 mislabeled segments (transformers greedy under the
+labelled version), 0 non-finite logprobs, every worker alive and exiting 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from safetensors.torch import save_file
+
+from rollq.chaos_reference import WEIGHT_SETS, Reference, WeightSets, make_tiny_model
+from rollq.client import RolloutClient
+from rollq.faults import RedisProcess
+from rollq.protocol import GroupResult
+from rollq.worker.heartbeat import live_workers
+from rollq.worker.pool import reap_group
+
+POLICY = "chaos-weights"
+FAULTS = ("storm", "corrupted", "rewritten", "truncated")
+MODES = ("drain", "interrupt")
+PROMPTS = [[1, 7 + 13 * i, 3 + i] for i in range(16)]
+IN_FLIGHT = 48
+"""Groups the trainer keeps submitted and unanswered: enough to keep both engines busy, so
+swaps drain and interrupt running groups."""
+console = Console()
+
+
+@dataclass
+class WeightChaosSettings:
+    minutes: float = 1.0
+    workers: int = 2
+    seed: int | None = None
+    max_tokens: int = 48
+    start_s: float = 600.0
+    """How long the engines may take to start (minutes on a loaded CPU)."""
+    settle_s: float = 240.0
+
+
+class WeightSummary(msgspec.Struct):
+    minutes: float
+    seed: int
+    workers: int
+    submitted_groups: int
+    delivered: int
+    duplicated: int
+    lost: int
+    statuses: dict[str, int]
+    samples: int
+    segments: int
+    multi_segment_samples: int
+    mislabeled: int
+    nonfinite_logprobs: int
+    distinguishable_prompts: int
+    """Prompts whose greedy continuations under the weight sets all differ: how many of the
+    prompts could show a mislabel of a whole sample (0 would make `mislabeled` meaningless)."""
+    faults: dict[str, int]
+    versions_published: int
+    final_version: int
+    final_version_reached: bool
+    swaps: dict[str, int]
+    """Worker id -> versions it swapped to."""
+    refusals: dict[str, int]
+    """Worker id -> versions it refused or failed to load."""
+    workers_alive: int
+    exit_codes: list[int]
+    evidence: list[str] = []
+    """One line per mislabeled segment, lost or failed group (the first 50)."""
+
+    @property
+    def ok(self) -> bool:
+        return (self.lost == 0 and self.duplicated == 0 and self.mislabeled == 0
+                and self.nonfinite_logprobs == 0 and set(self.statuses) == {"ok"}
+                and self.final_version_reached and self.workers_alive == self.workers
+                and self.exit_codes == [0] * self.workers)
+
+
+@dataclass
+class _Run:
+    settings: WeightChaosSettings
+    workdir: Path
+    rng: random.Random
+    sets: WeightSets
+    client: RolloutClient
+    workers: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    submitted: set = field(default_factory=set)
+    received: Counter = field(default_factory=Counter)
+    results: list[GroupResult] = field(default_factory=list)
+    faults: Counter = field(default_factory=Counter)
+    version: int = 0
+    jobs: int = 0
+    client_url: str = ""
+
+    def spawn_worker(self, index: int, model: Path) -> None:
+        worker_id = f"w{index}-{MODES[index % len(MODES)]}"
+        log = open(self.workdir / f"{worker_id}.log", "w")  # noqa: SIM115 (child keeps it)
+        # Snapshots under the run's dir (TMPDIR): a killed worker's copies go with it. Wide
+        # lines: the log lines counted at the end must not wrap.
+        env = os.environ | {"COLUMNS": "1000", "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.workdir)}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.workers.append((worker_id, subprocess.Popen(
+            [sys.executable, "-m", "rollq", "worker", "--redis-url", self.client_url, "--policy",
+             POLICY, "--worker-id", worker_id, "--engine", "vllm", "--model", str(model),
+             "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "32",
+             "--enforce-eager", "--seed", "0", "--lease-s", "6", "--poll-s", "0.2",
+             "--grace-s", "10", "--swap-mode", MODES[index % len(MODES)]],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)))
+        log.close()
+
+    def log_of(self, worker_id: str) -> str:
+        return (self.workdir / f"{worker_id}.log").read_text(errors="replace")
+
+    def stop_workers(self) -> list[int]:
+        for _, proc in self.workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        codes = []
+        for _, proc in self.workers:
+            try:
+                codes.append(proc.wait(60))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+            reap_group(proc.pid)
+        return codes
+
+
+async def _wait_workers(run: _Run, until: float, ready) -> None:
+    """Until `ready(states)` holds for the live workers' heartbeats; a worker that exits fails."""
+    while True:
+        for worker_id, proc in run.workers:
+            if proc.poll() is not None:
+                tail = "\n".join(run.log_of(worker_id).splitlines()[-30:])
+                raise RuntimeError(f"worker {worker_id} exited with {proc.returncode}:\n{tail}")
+        if ready(await live_workers(run.client.redis, run.client.keys)):
+            return
+        if time.monotonic() > until:
+            raise TimeoutError("workers did not get there in time")
+        await asyncio.sleep(0.2)
+
+
+async def _submitter(run: _Run, until: float) -> None:
+    sampling = {"temperature": 0.0, "max_tokens": run.settings.max_tokens, "logprobs": 0}
+    while time.monotonic() < until:
+        if len(run.submitted) - len(run.received) >= IN_FLIGHT:
+            await asyncio.sleep(0.1)
+            continue
+        prompts = run.rng.sample(PROMPTS, 4)
+        job = await run.client.submit(prompts, n=1, sampling=sampling, job_id=f"j{run.jobs}")
+        run.jobs += 1
+        run.submitted.update((job, g) for g in range(len(prompts)))
+
+
+async def _reader(run: _Run, done: asyncio.Event) -> None:
+    while not done.is_set():
+        for r in await run.client.take(64, timeout_s=0.5):
+            run.received[(r.job_id, r.group_index)] += 1
+            run.results.append(r)
+    await run.client.ack()
+
+
+async def _publish(run: _Run, source, *, copy: bool) -> int:
+    run.version += 1
+    await run.client.publish_weights(run.version, source, copy=copy, keep=1)
+    return run.version
+
+
+def _save(run: _Run, version: int, weights_of: int, shards: int, name: str = "") -> Path:
+    """Weight set of version `weights_of` as `shards` safetensors files in a fresh directory."""
+    directory = run.workdir / "by-reference" / (name or f"v{version}")
+    directory.mkdir(parents=True)
+    names = sorted(run.sets.of(weights_of))
+    for i in range(shards):
+        part = {k: run.sets.of(weights_of)[k].contiguous() for k in names[i::shards]}
+        file = "model.safetensors" if shards == 1 else f"model-0000{i + 1}-of-0000{shards}.safetensors"
+        save_file(part, str(directory / file))
+    return directory
+
+
+async def _verified_by_a_worker(run: _Run, version: int, within_s: float = 15.0) -> str:
+    """Wait until a worker has checked `version` (it drains toward it, loads it or serves it)."""
+    give_up = time.monotonic() + within_s
+    while time.monotonic() < give_up:
+        for w in await live_workers(run.client.redis, run.client.keys):
+            if w.target == version and w.state in ("draining", "swapping"):
+                return "rewritten_during_swap"
+            if w.version == version:
+                return "rewritten_after_load"
+        await asyncio.sleep(0.05)
+    return "rewritten_unverified"
+
+
+async def _fault(run: _Run, kind: str) -> None:
+    next_version = run.version + 1
+    if kind == "storm":
+        for _ in range(3):  # within well under a second: the store writes ~2 MB each
+            await _publish(run, run.sets.of(run.version + 1), copy=True)
+    elif kind == "corrupted":
+        directory = _save(run, next_version, next_version, 1)
+        frozen = run.rng.random() < 0.5
+        run.faults["corrupted_frozen" if frozen else "corrupted_racing"] += 1
+        async with _workers_frozen(run, frozen):
+            await _publish(run, directory, copy=False)
+            _flip_a_byte(directory / "model.safetensors")
+    elif kind == "rewritten":
+        directory = _save(run, next_version, next_version, 1)
+        other = _save(run, next_version, next_version + 1, 1, f"v{next_version}-other")
+        await _publish(run, directory, copy=False)
+        run.faults[await _verified_by_a_worker(run, next_version)] += 1
+        with open(directory / "model.safetensors", "r+b") as f:  # in place: same inode, same size
+            f.write((other / "model.safetensors").read_bytes())
+    else:
+        directory = _save(run, next_version, next_version, 2)
+        shard = run.rng.choice(sorted(directory.glob("*.safetensors")))
+        async with _workers_frozen(run, True):
+            await _publish(run, directory, copy=False)
+            shard.write_bytes(shard.read_bytes()[: run.rng.randrange(8, shard.stat().st_size)])
+
+
+def _flip_a_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(f.seek(0, os.SEEK_END) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@contextlib.asynccontextmanager
+async def _workers_frozen(run: _Run, frozen: bool):
+    """Workers copy a new version within milliseconds of its announcement, before a damage that
+    follows the publish could land: frozen (SIGSTOP, their engines run on), every worker must
+    find the damage and refuse; racing, a worker that copied first serves the intact bytes."""
+    procs = [proc for _, proc in run.workers if proc.poll() is None] if frozen else []
+    for proc in procs:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
+
+
+async def _faults(run: _Run, until: float) -> None:
+    deck: list[str] = []
+    while time.monotonic() < until:
+        await asyncio.sleep(run.rng.uniform(2.0, 4.0))
+        if not deck:
+            deck = list(FAULTS)
+            run.rng.shuffle(deck)
+        kind = deck.pop()
+        run.faults[kind] += 1
+        await _fault(run, kind)
+
+
+async def _final_round(run: _Run) -> bool:
+    """A clean version every worker must reach, then one group per prompt served under it."""
+    final = await _publish(run, run.sets.of(run.version + 1), copy=True)
+    try:
+        await _wait_workers(run, time.monotonic() + 180,
+                            lambda states: sum(w.version == final for w in states) == len(run.workers))
+    except (TimeoutError, RuntimeError):  # stuck or dead: the summary says so, after the rest
+        return False
+    sampling = {"temperature": 0.0, "max_tokens": run.settings.max_tokens, "logprobs": 0}
+    job = await run.client.submit(PROMPTS, n=1, sampling=sampling, job_id="final")
+    run.submitted.update((job, g) for g in range(len(PROMPTS)))
+    return True
+
+
+async def _run(run: _Run, model: Path) -> tuple[bool, list[int], int]:
+    s = run.settings
+    for i in range(s.workers):
+        run.spawn_worker(i, model)
+    try:
+        await _wait_workers(run, time.monotonic() + s.start_s,
+                            lambda states: len(states) == len(run.workers))
+        console.print(f"chaos --weights: {s.workers} vLLM workers up; {s.minutes:g} min of faults")
+        done = asyncio.Event()
+        reading = asyncio.create_task(_reader(run, done))
+        until = time.monotonic() + s.minutes * 60
+        await asyncio.gather(_submitter(run, until), _faults(run, until))
+        reached = await _final_round(run)
+        give_up = time.monotonic() + s.settle_s
+        while not run.submitted <= set(run.received) and time.monotonic() < give_up:
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(2.0)  # a duplicate would show up now
+        done.set()
+        await reading
+        alive = [proc.poll() is None for _, proc in run.workers]
+    finally:
+        codes = run.stop_workers()
+    return reached and all(alive), codes, sum(alive)
+
+
+async def chaos_weights(s: WeightChaosSettings) -> WeightSummary:
+    seed = s.seed if s.seed is not None else random.randrange(2**31)
+    with tempfile.TemporaryDirectory(prefix="rollq-chaos-weights-") as tmp:
+        workdir = Path(tmp)
+        model = make_tiny_model(workdir / "model")
+        redis = RedisProcess(workdir / "redis").start()
+        client = RolloutClient(redis.url, policy=POLICY, trainer_id="trainer",
+                               weight_store=str(workdir / "store"))
+        run = _Run(s, workdir, random.Random(seed), WeightSets(model), client, client_url=redis.url)
+        try:
+            reached, codes, alive = await _run(run, model)
+            swaps, refusals = _worker_counts(run)
+        finally:
+            await client.close()
+            redis.stop()
+        summary = _summarize(run, seed, reached, codes, alive, swaps, refusals)
+        if not summary.ok:  # the workers' logs are evidence too: keep them past the temp dir
+            kept = Path(tempfile.mkdtemp(prefix="rollq-chaos-weights-logs-"))
+            for worker_id, _ in run.workers:
+                shutil.copy(workdir / f"{worker_id}.log", kept)
+            summary.evidence.append(f"worker logs kept in {kept}")
+    return summary
+
+
+def _worker_counts(run: _Run) -> tuple[dict[str, int], dict[str, int]]:
+    logs = {worker_id: run.log_of(worker_id) for worker_id, _ in run.workers}
+    swaps = {w: text.count("now serving version") for w, text in logs.items()}
+    refusals = {w: text.count("still serving version") for w, text in logs.items()}
+    return swaps, refusals
+
+
+def _summarize(run: _Run, seed: int, reached: bool, codes: list[int], alive: int,
+               swaps: dict[str, int], refusals: dict[str, int]) -> WeightSummary:
+    reference, evidence = Reference(run.sets), []
+    samples = segments = multi = mislabeled = nonfinite = 0
+    statuses = Counter(r.status for r in run.results)
+    for r in run.results:
+        if r.status != "ok":
+            evidence.append(f"group {r.job_id}/{r.group_index}: {r.status} ({r.reason})")
+        for sample in r.samples:
+            samples += 1
+            segments += len(sample.versions)
+            multi += len(sample.versions) > 1
+            nonfinite += sum(not math.isfinite(lp) for lp in sample.token_logprobs)
+            wrong = reference.mislabels(r.prompt_ids, sample.token_ids, sample.versions)
+            mislabeled += len(wrong)
+            evidence += [f"group {r.job_id}/{r.group_index} on {r.worker_id}: {w}" for w in wrong]
+    distinguishable = sum(
+        len({reference.greedy(i, tuple(p), run.settings.max_tokens) for i in range(WEIGHT_SETS)})
+        == WEIGHT_SETS for p in PROMPTS)
+    lost = sorted(run.submitted - set(run.received))
+    evidence += [f"lost {job}/{group}" for job, group in lost]
+    return WeightSummary(
+        minutes=run.settings.minutes, seed=seed, workers=run.settings.workers,
+        submitted_groups=len(run.submitted), delivered=len(run.submitted & set(run.received)),
+        duplicated=sum(c > 1 for c in run.received.values()), lost=len(lost),
+        statuses=dict(statuses), samples=samples, segments=segments, multi_segment_samples=multi,
+        mislabeled=mislabeled, nonfinite_logprobs=nonfinite,
+        distinguishable_prompts=distinguishable, faults=dict(run.faults),
+        versions_published=run.version, final_version=run.version, final_version_reached=reached,
+        swaps=swaps, refusals=refusals, workers_alive=alive, exit_codes=codes,
+        evidence=evidence[:50])
+
+
+def render(summary: WeightSummary) -> None:
+    colour = "green" if summary.ok else "red"
+    console.print(f"[bold {colour}]groups submitted {summary.submitted_groups}, delivered "
+                  f"{summary.delivered}, duplicated {summary.duplicated}, lost {summary.lost}; "
+                  f"samples {summary.samples} ({summary.multi_segment_samples} cut by a swap), "
+                  f"segments {summary.segments}, mislabeled {summary.mislabeled}, non-finite "
+                  f"logprobs {summary.nonfinite_logprobs}[/bold {colour}]")
+    console.print(f"prompts whose greedy continuations differ under every weight set: "
+                  f"{summary.distinguishable_prompts} of {len(PROMPTS)}")
+    console.print(f"statuses {summary.statuses}; faults {summary.faults}; versions published "
+                  f"{summary.versions_published}; final version {summary.final_version} reached by "
+                  f"every worker: {summary.final_version_reached}; swaps {summary.swaps}; refusals "
+                  f"{summary.refusals}; workers alive {summary.workers_alive}/{summary.workers}, "
+                  f"exit codes {summary.exit_codes}; seed {summary.seed}")
+    for line in summary.evidence:
+        console.print(f"[red]{line}[/red]")

@@ -1,0 +1,33 @@
+"""The short CI variant of `rollq chaos --weights` (a longer run is in docs/reliability.md):
+publish storms with keep=1, corrupted, rewritten and truncated by-reference versions against two
+vLLM workers (drain and interrupt); every token checked against transformers under its label."""
+
+import json
+import os
+import subprocess
+import sys
+
+from rollq.chaos_weights import FAULTS, PROMPTS
+
+
+def test_short_weight_chaos_run_loses_nothing_and_labels_every_token_right(tmp_path):
+    out = tmp_path / "chaos.json"
+    env = os.environ | {"COLUMNS": "200"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollq", "chaos", "--weights", "--minutes", "0.5", "--seed", "7",
+         "--json", str(out)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["lost"] == 0 and s["duplicated"] == 0 and s["delivered"] == s["submitted_groups"] > 50
+    assert s["statuses"] == {"ok": s["delivered"]}
+    assert s["mislabeled"] == 0 and s["nonfinite_logprobs"] == 0 and s["evidence"] == []
+    assert s["samples"] == s["delivered"] and s["segments"] >= s["samples"]
+    # The check can see a mislabel: the weight sets continue the prompts differently.
+    assert s["distinguishable_prompts"] >= len(PROMPTS) - 2
+    # Every kind of fault happened, and they bit: damaged versions were refused, the others
+    # served (both workers swapped many times), and the followers still reached the last one.
+    assert set(FAULTS) <= set(s["faults"]) and s["versions_published"] >= 8
+    assert sum(s["refusals"].values()) >= 1
+    assert all(swaps >= 3 for swaps in s["swaps"].values()) and len(s["swaps"]) == 2
+    assert s["final_version_reached"] and s["workers_alive"] == 2 and s["exit_codes"] == [0, 0]
