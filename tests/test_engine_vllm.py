@@ -123,8 +123,8 @@ async def test_invalid_engine_sampling_fails_the_group_not_the_worker(make_clien
     # the group at once with the field named, and goes on serving.
     item = WorkItem("past-client", 0, pack_tokens([1, 2]), 1, Sampling(**sampling), time.time())
     await jobs.enqueue(client.redis, client.scripts, client.keys, trainer=client.trainer_id,
-                       job_id="past-client", items=[encode(item)], quota=100, deadline=0.0,
-                       meta=encode_meta(None))
+                       job_id="past-client", items=[encode(item)], quota=100, byte_quota=2**30,
+                       deadline=0.0, meta=encode_meta(None))
     await client.submit([[1, 3]], n=1, sampling={"max_tokens": 2})
     make_vllm_worker()
     results = {r.group_index if r.job_id == "past-client" else -1: r for r in await collect(client, 2)}
