@@ -130,14 +130,28 @@ def results_dir() -> Path:
     return Path(os.environ.get("ROLLQ_BENCH_RESULTS", ROOT / "bench" / "results"))
 
 
-def markdown() -> str:
+def markdown(kept: dict[str, str] | None = None) -> str:
+    """The tables block: each benchmark with results rendered anew; one without results keeps
+    its section from `kept` (running one benchmark must not erase the others' tables)."""
+    kept = kept or {}
     out = [BEGIN, "", f"Made by `rollq bench` on {time.strftime('%Y-%m-%d')}, "
            f"{_machine()}. Every ratio compares numbers measured in the same run.", ""]
     for name in BENCHES:
         path = results_dir() / f"{name}.json"
         if path.exists():
             out += [f"### {name}", "", *_RENDER[name](json.loads(path.read_text())), ""]
+        elif name in kept:
+            out += [kept[name], ""]
     return "\n".join(out + [END])
+
+
+def _sections(block: str) -> dict[str, str]:
+    """The `### name` sections of an existing tables block, by name."""
+    found = {}
+    for part in block.split("\n### ")[1:]:
+        name, _, body = part.partition("\n")
+        found[name.strip()] = f"### {name}\n{body}".rstrip()
+    return found
 
 
 def _machine() -> str:
@@ -149,7 +163,8 @@ def _machine() -> str:
 def update_doc(doc: Path = ROOT / "docs" / "benchmarks.md") -> None:
     text = doc.read_text()
     if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + markdown() + text[text.index(END) + len(END):]
+        kept = _sections(text[text.index(BEGIN) + len(BEGIN):text.index(END)])
+        text = text[:text.index(BEGIN)] + markdown(kept) + text[text.index(END) + len(END):]
     else:
         text = text.rstrip() + "\n\n## Benchmarks (`rollq bench`)\n\n" + markdown() + "\n"
     doc.write_text(text)

@@ -18,12 +18,16 @@ def test_quick_benchmarks_run_and_render_with_targets(tmp_path, monkeypatch):
     assert {p.name for p in (tmp_path / "results").iterdir()} == {"wire.json", "scale.json"}
 
     doc = tmp_path / "benchmarks.md"
-    doc.write_text(f"# Benchmarks\n\nkept\n\n{bench.BEGIN}\nold table\n{bench.END}\n\nkept too\n")
+    doc.write_text(f"# Benchmarks\n\nkept\n\n{bench.BEGIN}\nold table\n\n### swap\n\nswap numbers of an "
+                   f"earlier run\n\n### wire\n\nold wire numbers\n{bench.END}\n\nkept too\n")
     bench.update_doc(doc)
     text = doc.read_text()
     assert "old table" not in text and "kept" in text and text.rstrip().endswith("kept too")
     tables = text[text.index(bench.BEGIN):text.index(bench.END)]
-    assert "### wire" in tables and "### scale" in tables and "### swap" not in tables
+    assert "### wire" in tables and "### scale" in tables and "old wire numbers" not in tables
+    # A benchmark not run this time keeps its earlier section (a one-benchmark run erased them).
+    assert "### swap\n\nswap numbers of an earlier run" in tables
+    assert "### passthrough" not in tables
     assert "Target: rollq >= 3x faster than json" in tables
     assert "| 1,000 |" in tables and "claim + finish" in tables  # the depth rows
     assert tables.count("target") + tables.count("Target") >= 3
