@@ -1,7 +1,8 @@
 """`rollq chaos --weights`: weight faults against vLLM worker processes while a trainer submits
 greedy groups; then every sample is checked against the weights its version labels name.
 
-Faults, dealt from a shuffled deck (a short run sees every kind), one every 2-4 s:
+Faults, dealt from a shuffled deck (a run lasts until it has seen every kind), each 2-4 s after
+every worker has decided on the previous one (served or refused it):
 - `storm`: three versions published back to back (copied into the store), `keep=1`;
 - `corrupted`: a version published by reference (`copy=False`), then a byte of it flipped: half
   of the time with the workers frozen (SIGSTOP) until the damage is done, so each finds it and
@@ -27,6 +28,7 @@ import contextlib
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -172,9 +174,9 @@ async def _wait_workers(run: _Run, until: float, ready) -> None:
         await asyncio.sleep(0.2)
 
 
-async def _submitter(run: _Run, until: float) -> None:
+async def _submitter(run: _Run, faults_done: asyncio.Event) -> None:
     sampling = {"temperature": 0.0, "max_tokens": run.settings.max_tokens, "logprobs": 0}
-    while time.monotonic() < until:
+    while not faults_done.is_set():
         if len(run.submitted) - len(run.received) >= IN_FLIGHT:
             await asyncio.sleep(0.1)
             continue
@@ -273,16 +275,39 @@ async def _workers_frozen(run: _Run, frozen: bool):
             proc.send_signal(signal.SIGCONT)
 
 
-async def _faults(run: _Run, until: float) -> None:
+async def _faults(run: _Run, until: float, done: asyncio.Event) -> None:
+    """Until the run's time is up and every kind of fault has been dealt at least once."""
     deck: list[str] = []
-    while time.monotonic() < until:
-        await asyncio.sleep(run.rng.uniform(2.0, 4.0))
-        if not deck:
-            deck = list(FAULTS)
-            run.rng.shuffle(deck)
-        kind = deck.pop()
-        run.faults[kind] += 1
-        await _fault(run, kind)
+    try:
+        while time.monotonic() < until or set(FAULTS) - set(run.faults):
+            await asyncio.sleep(run.rng.uniform(2.0, 4.0))
+            if not deck:
+                deck = list(FAULTS)
+                run.rng.shuffle(deck)
+            kind = deck.pop()
+            run.faults[kind] += 1
+            await _fault(run, kind)
+            await _settled(run, run.version)
+    finally:
+        done.set()
+
+
+_DECIDED = re.compile(r"now serving version (\d+)|version (\d+) refused|swap to version (\d+) failed")
+
+
+async def _settled(run: _Run, version: int, within_s: float = 30.0) -> None:
+    """Pace the faults: wait until every worker has decided on `version` (served or refused
+    it, or something newer) before dealing the next one. Unpaced, a loaded machine's worker could
+    still be draining toward one version while three more landed, and skip them all: the run
+    would then prove less than its faults promise. Bounded: a stuck worker is for the final
+    round to find."""
+    give_up = time.monotonic() + within_s
+    while time.monotonic() < give_up:
+        decided = [max((int(next(g for g in m.groups() if g)) for m in _DECIDED.finditer(
+            run.log_of(worker_id))), default=0) for worker_id, _ in run.workers]
+        if all(v >= version for v in decided):
+            return
+        await asyncio.sleep(0.2)
 
 
 async def _final_round(run: _Run) -> bool:
@@ -310,7 +335,8 @@ async def _run(run: _Run, model: Path) -> tuple[bool, list[int], int]:
         done = asyncio.Event()
         reading = asyncio.create_task(_reader(run, done))
         until = time.monotonic() + s.minutes * 60
-        await asyncio.gather(_submitter(run, until), _faults(run, until))
+        faults_done = asyncio.Event()
+        await asyncio.gather(_submitter(run, faults_done), _faults(run, until, faults_done))
         reached = await _final_round(run)
         give_up = time.monotonic() + s.settle_s
         while not run.submitted <= set(run.received) and time.monotonic() < give_up:

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from rollq.chaos_weights import FAULTS, PROMPTS
 
 
+@pytest.mark.timeout(900)  # two engines start, then the faults: ~4 min alone, longer when loaded
 def test_short_weight_chaos_run_loses_nothing_and_labels_every_token_right(tmp_path):
     out = tmp_path / "chaos.json"
     env = os.environ | {"COLUMNS": "200"}
@@ -29,5 +32,8 @@ def test_short_weight_chaos_run_loses_nothing_and_labels_every_token_right(tmp_p
     # served (both workers swapped many times), and the followers still reached the last one.
     assert set(FAULTS) <= set(s["faults"]) and s["versions_published"] >= 8
     assert sum(s["refusals"].values()) >= 1
-    assert all(swaps >= 3 for swaps in s["swaps"].values()) and len(s["swaps"]) == 2
+    # What every worker must have served, however the races fell: the storm's last version (the
+    # faults are paced, so no worker skips it) and the final one. Refused damage, a rewrite a
+    # worker copied too late and a racing corruption may each add a refusal instead of a swap.
+    assert all(swaps >= 2 for swaps in s["swaps"].values()) and len(s["swaps"]) == 2
     assert s["final_version_reached"] and s["workers_alive"] == 2 and s["exit_codes"] == [0, 0]
