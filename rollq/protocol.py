@@ -287,8 +287,12 @@ class GroupResult(msgspec.Struct, **_WIRE):
 
 class FileDigest(msgspec.Struct, **_WIRE):
     name: str
-    sha256: str
+    digest: str
+    """Hex digest of the file's bytes under `algorithm`."""
     bytes: int
+    algorithm: str = "sha256"
+    """How `digest` was made: `blake3` for what is published now; `sha256`, the default, is what
+    entries written before BLAKE3 carry (they have no fourth field) and still verifies."""
 
 
 class VersionEntry(msgspec.Struct, **_WIRE):

@@ -142,7 +142,8 @@ async def test_publish_and_list_versions(make_gateway, policy, tmp_path):
             assert r.status == 201, await r.text()
             entry = await r.json()
         assert entry["version"] == 3 and entry["files"][0]["name"] == "model.safetensors"
-        assert len(entry["files"][0]["sha256"]) == 64 and entry["publisher"] == "alice"
+        file, = entry["files"]
+        assert len(file["digest"]) == 64 and file["algorithm"] == "blake3" and entry["publisher"] == "alice"
         async with http.post(url, json={"version": 3, "path": str(inside)}) as r:
             assert r.status == 409 and (await r.json())["error"]["field"] == "version"
         async with http.post(url, json={"version": 4, "path": str(outside)}) as r:

@@ -2,20 +2,22 @@
 and version gating in the worker (instant engine: the queue logic, not generation)."""
 
 import asyncio
+import hashlib
 import json
 import struct
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from helpers import collect
 from safetensors.torch import save_file
 
-from rollq.protocol import InvalidInput, Sampling, WorkItem, pack_tokens
+from rollq.protocol import FileDigest, InvalidInput, Sampling, WorkItem, pack_tokens
 from rollq.registry.retention import retain
 from rollq.registry.safetensors_check import WeightError, check_compatible, check_header
 from rollq.registry.sources import clean_peft_names
-from rollq.registry.store import COMMIT_MARKER, WeightStore, sha256_file, verify
+from rollq.registry.store import COMMIT_MARKER, WeightStore, digest_file, verify
 from rollq.registry.versions import VersionConflict
 from rollq.worker.heartbeat import Heartbeat
 from rollq.worker.windows import Decision, decide
@@ -45,9 +47,9 @@ async def test_publish_copies_hashes_and_commits(make_publisher, weights_dir):
     entry = await client.publish_weights(1, weights_dir)
     assert entry.owned and entry.version == 1 and entry.publisher == "trainer"
     [f] = entry.files
-    assert f.sha256 == sha256_file(weights_dir / "model.safetensors")
+    assert f.algorithm == "blake3" and f.digest == digest_file(weights_dir / "model.safetensors")
     manifest = json.loads((Path(entry.path) / COMMIT_MARKER).read_text())
-    assert manifest["files"] == [[f.name, f.sha256, f.bytes]]
+    assert manifest["files"] == [[f.name, f.digest, f.bytes, "blake3"]]
     verify(entry.path, entry.files)
     assert await client.latest_version() == 1
     assert (await client.registry.get(1)) == entry
@@ -150,7 +152,7 @@ async def test_verify_catches_corruption_and_truncation_after_publish(make_publi
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(WeightError, match="sha256 .* does not match"):
+    with pytest.raises(WeightError, match="blake3 .* does not match"):
         verify(entry.path, entry.files)
     f.write_bytes(bytes(data[:-4]))
     with pytest.raises(WeightError, match="truncated or replaced"):
@@ -260,3 +262,21 @@ async def test_peft_model_is_merged_without_changing_the_trainer(make_publisher,
     assert torch.allclose(tensors["model.layers.0.self_attn.q_proj.weight"], expected, atol=1e-6)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # unmerged again
+
+
+async def test_versions_registered_with_sha256_still_verify(make_publisher, weights_dir):
+    """Entries written before BLAKE3 have three fields and no algorithm: they mean sha256, and
+    the worker's and store's checks still catch a change in their files."""
+    entry = await make_publisher().publish_weights(1, weights_dir, copy=False)
+    f = weights_dir / "model.safetensors"
+    old_wire = msgspec.msgpack.encode([f.name, hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_size])
+    old = msgspec.msgpack.decode(old_wire, type=FileDigest)
+    assert old.algorithm == "sha256"
+    verify(entry.path, [old])
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(WeightError, match="sha256 .* does not match"):
+        verify(entry.path, [old])
+    with pytest.raises(WeightError, match="unknown digest algorithm 'md5'"):
+        verify(entry.path, [FileDigest(f.name, old.digest, old.bytes, "md5")])

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from rollq.protocol import InvalidInput, check_id
 from rollq.registry.safetensors_check import MAX_HEADER_BYTES, WeightError, check_header
-from rollq.registry.store import WeightStore, digest_dir, sha256_file, verify
+from rollq.registry.store import WeightStore, digest_dir, digest_file, verify
 
 TENSORS = {"w": torch.arange(4, dtype=torch.float32)}
 
@@ -63,7 +63,7 @@ async def test_symlinked_weight_file_is_refused_by_copy_reference_and_verify(mak
     entry = await client.publish_weights(1, d, copy=False)
     (d / "model.safetensors").unlink()
     (d / "model.safetensors").symlink_to(target)
-    assert entry.files[0].sha256 == sha256_file(target)
+    assert entry.files[0].digest == digest_file(target)
     with pytest.raises(WeightError, match=r"model\.safetensors: .*symbolic link"):
         verify(entry.path, entry.files)
 
@@ -217,6 +217,6 @@ async def test_verify_checks_size_and_sha256_before_parsing(make_publisher, tmp_
     bomb = _deep(size)[: size - 8]
     forge(d / "model.safetensors", bomb + b" " * (size - 8 - len(bomb)))
     assert (d / "model.safetensors").stat().st_size == size
-    with pytest.raises(WeightError, match=r"sha256 .* does not match"):
+    with pytest.raises(WeightError, match=r"blake3 .* does not match"):
         verify(entry.path, entry.files)
 

@@ -106,7 +106,9 @@ class PublishRequest(msgspec.Struct, **_REQUEST):
 
 class FileView(msgspec.Struct):
     name: str
-    sha256: str
+    digest: str
+    algorithm: str
+    """`blake3` (what is published now) or `sha256` (versions published before it)."""
     bytes: int
 
 
@@ -137,5 +139,5 @@ def result_view(entry_id: str, r: GroupResult) -> ResultView:
 
 
 def version_view(e: VersionEntry) -> VersionView:
-    return VersionView(e.version, e.path, [FileView(f.name, f.sha256, f.bytes) for f in e.files],
+    return VersionView(e.version, e.path, [FileView(f.name, f.digest, f.algorithm, f.bytes) for f in e.files],
                        e.bytes, e.created_at, e.publisher)

@@ -6,7 +6,7 @@ loses it.
 
 A version is pinned in Redis (`Registry.pin`) before anything else: retention cannot remove it
 while this worker verifies it, drains toward it, loads it or serves it. Its files are then
-copied into a snapshot directory private to this worker and checked there (sizes, sha256,
+copied into a snapshot directory private to this worker and checked there (sizes, digests,
 headers, every tensor of the served model present exactly once with its shape): the bytes
 checked are the bytes the engine reads, whatever happens to the published files later. The
 engine loads the snapshot; the previous snapshot stays until the swap is done, so a failed load
@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 from rollq.protocol import FileDigest, VersionEntry
 from rollq.registry.safetensors_check import (Schema, WeightError, check_compatible, check_header,
                                               open_regular)
-from rollq.registry.store import refuse_links, refuse_unsafe, sha256_file
+from rollq.registry.store import check_digest, refuse_links, refuse_unsafe
 from rollq.registry.versions import Registry
 from rollq.worker.windows import interruptible
 
@@ -80,10 +80,8 @@ def _copy_checked(source: Path, target: Path, expected: FileDigest) -> None:
     if size != expected.bytes:
         raise WeightError(f"{expected.name}: {size} bytes, registered {expected.bytes} "
                           "(truncated or replaced)")
-    actual = sha256_file(target)
-    if actual != expected.sha256:
-        raise WeightError(f"{expected.name}: sha256 {actual[:12]}… does not match the "
-                          f"registered {expected.sha256[:12]}… (corrupted or replaced)")
+    with open(target, "rb") as copy:
+        check_digest(copy, expected)
 
 
 def _copy_fd(src: int, dst: int, size: int) -> None:
