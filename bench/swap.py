@@ -9,7 +9,9 @@ after each publish submits a one-token probe group with `min_version` = the new 
 result marks the moment the worker serves it. Phases:
 
 - store: `publish_weights` copying the files into the store, fsyncing and hashing them (trainer);
-  by reference: hashing them in place.
+  by reference: hashing them in place; `state_dict, wait=False`: writing the trainer's tensors
+  (held in memory) into the store in the background, after `trainer stall`, the time the call
+  held the trainer (copying its tensors).
 - verify: the worker re-reading and hashing the files, checking headers and shapes.
 - drain, pause, load, resume: the worker's swap (`rollq_worker_swap_phase_seconds`).
 
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 
 from common import make_llama, stop_process, write_result
+from safetensors.torch import load_file
 
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
@@ -42,6 +45,8 @@ from rollq.worker.heartbeat import live_workers
 
 MODEL = dict(hidden=1024, layers=8, vocab=8192, intermediate=2816)
 POLICY = "swap"
+MEMORY = "state_dict, wait=False"
+"""The trainer publishes its tensors and goes on: `trainer stall` is how long the call held it."""
 
 
 def raw_read(files: list[Path], *, cold: bool = False) -> float | None:
@@ -80,20 +85,28 @@ async def last_swap(client: RolloutClient, version: int, timeout_s: float = 30) 
     raise RuntimeError(f"no heartbeat reported the swap to version {version}")
 
 
-async def swap_once(client: RolloutClient, version: int, source: Path, copy: bool) -> dict:
+async def swap_once(client: RolloutClient, version: int, source: Path, mode: str) -> dict:
     files = sorted(source.glob("*.safetensors"))
     raw_cold = raw_read(files, cold=True)  # first: it leaves the files in the page cache
     raw_warm = raw_read(files)
-    began = time.perf_counter()
-    await client.publish_weights(version, source, copy=copy, keep=2)
-    store_s = time.perf_counter() - began
+    phases = {}
+    if mode == MEMORY:  # a trainer's tensors: the call returns once they are copied
+        tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+        began = time.perf_counter()
+        published = await client.publish_weights(version, tensors, keep=2, wait=False)
+        phases["trainer stall"] = time.perf_counter() - began
+        await published
+    else:
+        began = time.perf_counter()
+        await client.publish_weights(version, source, copy=mode == "copy", keep=2)
+    phases["hash in place" if mode == "by reference" else "store"] = time.perf_counter() - began
     await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
     [probe] = await client.take(1, timeout_s=300)
     total_s = time.perf_counter() - began
     if probe.status != "ok" or probe.samples[0].versions[0][0] != version:
         raise RuntimeError(f"probe not served by version {version}: {probe}")
-    phases = {"store" if copy else "hash in place": store_s, **await last_swap(client, version)}
-    print(f"version {version} ({'copy' if copy else 'by reference'}): {total_s:.2f} s end to end, raw read "
+    phases |= await last_swap(client, version)
+    print(f"version {version} ({mode}): {total_s:.2f} s end to end, raw read "
           f"{raw_warm:.3f} s warm, {raw_cold or float('nan'):.3f} s cold; "
           + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), flush=True)
     return {"total_s": total_s, "raw_warm_s": raw_warm, "raw_cold_s": raw_cold, "phases": phases}
@@ -111,7 +124,7 @@ def summary(runs: list[dict], size: int) -> dict:
 
 
 async def main(repeats: int) -> dict:
-    modes: dict[str, list[dict]] = {"copy": [], "by reference": []}
+    modes: dict[str, list[dict]] = {"copy": [], "by reference": [], MEMORY: []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         checkpoints = [make_llama(tmp / f"ckpt{i}", seed=i, **MODEL) for i in range(2)]
@@ -131,8 +144,7 @@ async def main(repeats: int) -> dict:
                 for mode, runs in modes.items():
                     for _ in range(repeats):
                         version += 1
-                        runs.append(await swap_once(client, version, checkpoints[version % 2],
-                                                    copy=mode == "copy"))
+                        runs.append(await swap_once(client, version, checkpoints[version % 2], mode))
         finally:
             stop_process(worker)
             redis.stop()

@@ -94,7 +94,7 @@ def _passthrough(r: dict) -> list[str]:
     return rows
 
 
-SWAP_PHASES = ("store", "hash in place", "verify", "drain", "pause", "load", "resume")
+SWAP_PHASES = ("trainer stall", "store", "hash in place", "verify", "drain", "pause", "load", "resume")
 
 
 def _swap(r: dict) -> list[str]:
@@ -118,6 +118,10 @@ def _swap(r: dict) -> list[str]:
         best = max(m["ratio_vs_warm"], m["ratio_vs_cold"] or 0)
         rows.append(f"- {mode}: swap / raw read bandwidth **{m['ratio_vs_warm']:.3f}** (page cache), "
                     f"**{cold}** (cold) (target >= 0.5: {_met(best >= 0.5)}).")
+        if "trainer stall" in m["phases_s"]:
+            stall = m["phases_s"]["trainer stall"]
+            rows.append(f"- {mode}: the trainer is held **{stall:.3f} s** per publish "
+                        f"(target <= 0.1: {_met(stall <= 0.1)}).")
     return rows
 
 

@@ -84,6 +84,10 @@ def _check_ack(ack: str) -> None:
         raise InvalidInput("ack", f"ack={ack!r} must be 'auto' or 'manual'")
 
 
+async def _result_of(task: asyncio.Task):
+    return await task
+
+
 async def _now(func, *args):
     """Run a plain function on the client's event loop (the sync wrapper's thread)."""
     return func(*args)
@@ -174,6 +178,8 @@ class RolloutClient:
         self.weight_store = weight_store or os.environ.get(
             "ROLLQ_WEIGHT_STORE", str(Path.home() / ".cache" / "rollq" / "weights"))
         self._reader = ResultReader(self.redis, self.scripts, self.keys, trainer_id, trainer_id)
+        self._publishing: asyncio.Task | None = None
+        """The last publish started: the next one registers after it (versions in order)."""
         self._auto_unacked: list[str] = []
         """Handed out by reads with ack="auto": acknowledged by this client's next read."""
 
@@ -184,6 +190,8 @@ class RolloutClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._publishing is not None:  # a background publish finishes (or fails) first
+            await asyncio.wait([self._publishing])
         if self._owns_redis:
             await self.redis.aclose()
 
@@ -474,16 +482,34 @@ class RolloutClient:
     # --- weights -----------------------------------------------------------------------------
 
     async def publish_weights(self, version: int, source: Any, *, copy: bool = True,
-                              keep: int | None = None) -> VersionEntry:
+                              keep: int | None = None, wait: bool = True):
         """Register policy `version` (strictly above the newest); workers swap to it.
 
         `source`: a directory of safetensors files (copied into the weight store, or registered
         in place with `copy=False`), a state_dict, or a Hugging Face / PEFT model. Files are
         fsynced and hashed before the version is registered. `keep`: then delete all but the
         newest `keep` versions that no worker holds and no unfinished job may need.
+
+        Returns the `VersionEntry`; with `wait=False`, an `asyncio.Task` of it, as soon as the
+        weights are safe from the trainer's next optimizer step: a state_dict or model is copied
+        into host memory (its size again, until written); a directory is read later, so it must
+        stay unchanged until the task is done. The
+        store write, hashing and registration then run in the background, so the training loop
+        is not held up by them. Publishes register in the order they were made, waited for or
+        not; one that fails (its task raises) does not stop the next.
         """
         if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**62:
             raise InvalidInput("version", f"version={version!r} must be an integer >= 0")
+        if not wait and not isinstance(source, (str, os.PathLike)):
+            source = await asyncio.to_thread(tensors_of, source, own=True)
+        task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy, keep))
+        self._publishing = task
+        return await task if wait else task
+
+    async def _publish_in_turn(self, previous: asyncio.Task | None, version: int, source: Any,
+                               copy: bool, keep: int | None) -> VersionEntry:
+        if previous is not None:
+            await asyncio.wait([previous])  # its outcome is its own caller's to see
         store = WeightStore(self.weight_store)
         path, files, owned = await asyncio.to_thread(self._write_weights, store, version, source, copy)
         entry = VersionEntry(version, str(path), files, sum(f.bytes for f in files), time.time(),
@@ -560,8 +586,10 @@ class SyncRolloutClient:
     def cancel(self, job_id: str) -> int:
         return self._call(self._client.cancel(job_id))
 
-    def publish_weights(self, version: int, source: Any, **kwargs: Any) -> VersionEntry:
-        return self._call(self._client.publish_weights(version, source, **kwargs))
+    def publish_weights(self, version: int, source: Any, *, wait: bool = True, **kwargs: Any):
+        """`wait=False`: a `concurrent.futures.Future` of the `VersionEntry` (see the async client)."""
+        published = self._call(self._client.publish_weights(version, source, wait=wait, **kwargs))
+        return published if wait else asyncio.run_coroutine_threadsafe(_result_of(published), self._loop)
 
     def close(self) -> None:
         self._call(self._client.close())

@@ -280,3 +280,26 @@ async def test_versions_registered_with_sha256_still_verify(make_publisher, weig
         verify(entry.path, [old])
     with pytest.raises(WeightError, match="unknown digest algorithm 'md5'"):
         verify(entry.path, [FileDigest(f.name, old.digest, old.bytes, "md5")])
+
+
+async def test_a_publish_not_waited_for_keeps_the_weights_it_was_given_and_the_order(make_publisher):
+    """`wait=False` returns before the store write: the weights must already be the client's own
+    copy (the trainer's next step changes its tensors in place), and versions must still
+    register in the order they were published, a failed one not stopping the next."""
+    from safetensors.torch import load_file
+
+    client = make_publisher()
+    big = {"w": torch.zeros(1024, 1024)}  # 4 MB: written after the small one would be, unchained
+    first = await client.publish_weights(1, big, wait=False)
+    big["w"] += 1  # the optimizer step that follows the publish call
+    clash = await client.publish_weights(1, {"w": torch.ones(2)}, wait=False)
+    second = await client.publish_weights(2, {"w": torch.full((2,), 2.0)}, wait=False)
+    assert not first.done()
+    entry = await first
+    assert load_file(str(Path(entry.path) / "model.safetensors"))["w"].eq(0).all()
+    with pytest.raises(VersionConflict):
+        await clash
+    assert (await second).version == 2 and await client.latest_version() == 2
+    third = await client.publish_weights(3, {"w": torch.ones(2)}, wait=False)
+    await client.close()  # a close waits for the publish it would otherwise cut off
+    assert third.done() and third.result().version == 3

@@ -45,24 +45,28 @@ def _merged_copy(model: Any) -> dict[str, Any]:
     return tensors
 
 
-def saveable(tensors: dict[str, Any]) -> dict[str, Any]:
-    """Detached, contiguous CPU copies; tensors sharing storage (tied weights) each get their own."""
+def saveable(tensors: dict[str, Any], *, own: bool = False) -> dict[str, Any]:
+    """Detached, contiguous CPU tensors; tensors sharing storage (tied weights) each get their
+    own; `own`: all of them copies."""
     out, seen = {}, set()
     for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
         key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        out[name] = t.clone() if key in seen else t
+        out[name] = t.clone() if own or key in seen else t
         seen.add(key)
     return out
 
 
-def tensors_of(source: Any) -> dict[str, Any]:
-    """A state_dict, HF model or PEFT model -> {name: tensor} ready for safetensors."""
+def tensors_of(source: Any, *, own: bool = False) -> dict[str, Any]:
+    """A state_dict, HF model or PEFT model -> {name: tensor} ready for safetensors.
+
+    `own`: every tensor a copy, never a view of the trainer's parameters (a publish that runs
+    on while the trainer steps); else CPU tensors may be the trainer's own."""
     if isinstance(source, dict):
-        return saveable(clean_peft_names(source))
-    if _is_peft(source):
+        return saveable(clean_peft_names(source), own=own)
+    if _is_peft(source):  # the merged copy is ours already
         return saveable(clean_peft_names(_merged_copy(source)))
     if hasattr(source, "state_dict"):
-        return saveable(source.state_dict())
+        return saveable(source.state_dict(), own=own)
     raise TypeError(f"cannot publish a {type(source).__name__}: give a directory of safetensors, "
                     "a state_dict or a model")
