@@ -30,7 +30,9 @@ def test_short_weight_chaos_run_loses_nothing_and_labels_every_token_right(tmp_p
     assert s["distinguishable_prompts"] >= len(PROMPTS) - 2
     # Every kind of fault happened, and they bit: damaged versions were refused, the others
     # served (both workers swapped many times), and the followers still reached the last one.
-    assert set(FAULTS) <= set(s["faults"]) and s["versions_published"] >= 8
+    # Each kind dealt at least once publishes: storm 3, corrupted, rewritten, truncated 1 each;
+    # then the final version. (The paced run may deal each only once: CI saw exactly 7.)
+    assert set(FAULTS) <= set(s["faults"]) and s["versions_published"] >= 3 + 1 + 1 + 1 + 1
     assert sum(s["refusals"].values()) >= 1
     # What every worker must have served, however the races fell: the storm's last version (the
     # faults are paced, so no worker skips it) and the final one. Refused damage, a rewrite a
