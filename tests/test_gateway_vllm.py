@@ -72,6 +72,15 @@ async def test_text_prompts_with_a_gateway_tokenizer(make_gateway, make_vllm_wor
     ids = greedy(reference, [1, 5, 6, 7], 6)
     assert choice.text == tokenizer.decode(ids) and choice.text.split() == [f"w{t}" for t in ids]
     assert choice.logprobs.tokens == [f"w{t}" for t in ids]
+    # A gateway that knows the vocabulary refuses an id outside it before anything is queued
+    # (issue 21 item 4: such a token killed vLLM's engine core), as vLLM's server does.
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.tokens["alice"]) as client:
+        for bad_id in (VOCAB, -1):
+            with pytest.raises(openai.BadRequestError) as bad:
+                await client.completions.create(model=policy, prompt=[[1, 2], [3, bad_id]], max_tokens=2)
+            assert bad.value.body["param"] == "prompt"
+            assert f"prompt 1: token id {bad_id} is outside" in bad.value.body["message"]
+            assert f"vocabulary of {VOCAB} tokens" in bad.value.body["message"]
 
 
 async def test_openai_errors(oai, policy):

@@ -286,7 +286,7 @@ async def completions(request: web.Request) -> web.Response:
     policy = allowed(who, req.model)
     prompts = oai.prompts_of(req.prompt)
     sampling = oai.sampling_of(req)
-    sent = [gw.encode_text(p) for p in prompts]
+    sent = [gw.encode_text(p, i) for i, p in enumerate(prompts)]
 
     def submit(client: RolloutClient, job_id: str, window: dict) -> Awaitable[str]:
         return client.submit(sent, req.n, sampling, job_id=job_id, deadline_s=req.timeout_s, wait=False,

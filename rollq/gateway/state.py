@@ -140,10 +140,21 @@ class Gateway:
             self._routers[key] = CompletionRouter(self.redis, Keys(policy), trainer)
         return self._routers[key]
 
-    def encode_text(self, prompt: list[int] | str) -> list[int] | str:
-        """Text prompts are tokenized here when the gateway has a tokenizer, else by the worker."""
-        if isinstance(prompt, str) and self.words.tokenizer is not None:
-            return self.words.tokenizer.encode(prompt)
+    def encode_text(self, prompt: list[int] | str, index: int = 0) -> list[int] | str:
+        """Text prompts are tokenized here when the gateway has a tokenizer, else by the worker.
+        With a tokenizer, token ids outside its vocabulary are refused here, as vLLM's server
+        does (the worker checks against the model again: an out-of-vocabulary id must never
+        reach an engine, issue 21)."""
+        tokenizer = self.words.tokenizer
+        if tokenizer is None:
+            return prompt
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        size = len(tokenizer)
+        bad = next((t for t in prompt if not 0 <= t < size), None)
+        if bad is not None:
+            raise InvalidInput("prompt", f"prompt {index}: token id {bad} is outside the tokenizer's "
+                                         f"vocabulary of {size} tokens (ids 0..{size - 1})")
         return prompt
 
     async def start(self) -> None:
