@@ -106,6 +106,25 @@ async def test_errors_name_the_field_and_the_reason(make_gateway, policy):
         assert status == 201
         status, error = await call("DELETE", f"{jobs}/alices", "bob")
         assert status == 404 and error["field"] == "job_id"
+        status, error = await call("GET", f"{jobs}/alices", "bob")  # nor to read (issue 12)
+        assert status == 404 and error["field"] == "job_id"
+        status, _ = await call("GET", f"{jobs}/alices", "alice")
+        assert status == 200
+
+
+async def test_observe_routes_are_public_only_when_the_operator_says_so(make_gateway):
+    """/metrics and the dashboard's data name every trainer and show failure reasons: a token
+    with the observe scope by default (issue 12), anyone with --public-observe."""
+    for public, anonymous in ((False, 401), (True, 200)):
+        gw = await make_gateway(public_observe=public)
+        async with aiohttp.ClientSession(gw.url) as http:
+            for path in ("/metrics", "/api/dashboard"):
+                async with http.get(path) as r:
+                    assert r.status == anonymous, (public, path)
+                async with http.get(path, headers=gw.headers("bob")) as r:  # rollouts scope only
+                    assert r.status == (200 if public else 403), (public, path)
+                async with http.get(path, headers=gw.headers()) as r:
+                    assert r.status == 200
 
 
 async def test_cancel_over_http(make_gateway, make_worker, make_client, policy):
