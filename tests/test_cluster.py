@@ -188,6 +188,32 @@ async def test_gateway_submit_and_results(cluster, make_gateway, make_worker, po
             assert [q["trainer"] for q in (await r.json())["queues"]] == ["alice"]
 
 
+async def _getkeys_calls(redis) -> int:
+    """COMMAND GETKEYS calls so far, summed over every node (the client asks one of them)."""
+    stats = await redis.info("commandstats", target_nodes=RedisCluster.ALL_NODES)
+    return sum(int(node.get("cmdstat_command|getkeys", {}).get("calls", 0)) for node in stats.values())
+
+
+async def test_stream_reads_are_routed_without_asking_the_server(cluster, redis, make_client, make_worker,
+                                                                 policy):
+    """redis-py asks a node `COMMAND GETKEYS` before each XREADGROUP and XREAD (their keys
+    follow STREAMS) to find the slot: a round trip per claim, read and version poll. rollq's
+    cluster client reads the stream keys itself."""
+    client = make_client("alice")
+    make_worker("w1", max_inflight=4)
+    before = await _getkeys_calls(redis)
+    for step in range(5):
+        await client.submit([[step, i] for i in range(8)], n=1, sampling={"max_tokens": 2})
+        await collect(client, 8, timeout_s=60)
+    assert await _getkeys_calls(redis) - before == 0
+    # A group and a consumer named like the keyword still route by the stream's key.
+    stream = Keys(policy).work("odd")
+    await redis.xgroup_create(stream, "streams", id="0", mkstream=True)
+    await redis.xadd(stream, {"a": "1"})
+    [[name, [(_, fields)]]] = await redis.xreadgroup("streams", "STREAMS", {stream: ">"}, count=5, noack=True)
+    assert (name, fields) == (stream.encode(), {b"a": b"1"})
+
+
 def test_every_key_of_a_policy_is_in_one_slot():
     """Every key Keys spells (each property, each method with sample arguments)."""
     import inspect
