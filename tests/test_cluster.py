@@ -7,6 +7,8 @@ Every fixture of tests/conftest.py that takes `redis_url` gets the cluster's URL
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -25,13 +27,14 @@ from redis.exceptions import NoPermissionError
 from safetensors.numpy import save_file
 
 from rollq.client import RolloutClient
-from rollq.engine.instant import expected_tokens
+from rollq.engine.instant import InstantEngine, expected_tokens
 from rollq.protocol import pack_tokens
 from rollq.queue.connection import Durability, connect, parse_url
 from rollq.queue.keys import Keys
-from rollq.queue.work import WorkQueue
+from rollq.queue.work import WORKERS_GROUP, WorkQueue
 from rollq.security import trainer_acl
 from rollq.status import policies, policy_status
+from rollq.worker.loop import Worker
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +254,39 @@ async def test_acl_users_on_every_node(cluster, redis, make_worker, policy):
         await alice.close()
         for user in ("alice", "bob"):
             await redis.execute_command("ACL", "DELUSER", user, target_nodes=RedisCluster.ALL_NODES)
+
+
+async def _pending(redis, stream: str, count: int) -> bool:
+    return (await redis.xpending(stream, WORKERS_GROUP))["pending"] == count
+
+
+async def test_a_failover_under_a_group_is_a_warning_not_a_traceback(cluster, make_client, policy, caplog):
+    """A group whose result cannot be written while its primary fails over is handed back with
+    a one-line warning: a traceback per group (rendered by rich: seconds each on a loaded box)
+    would stall the worker's event loop just when it must ride the failover out."""
+    caplog.set_level(logging.WARNING, "rollq.worker")
+    # No client-side retries: the result write fails while the slot has no primary, and the
+    # group's 1 s lease runs out before the replica takes over (node timeout 1.5 s).
+    r = connect(cluster.url, retries=0)
+    worker = Worker(WorkQueue(r, Keys(policy), "w1", job_ttl_s=600), InstantEngine(delay_s=1.0),
+                    max_inflight=4, lease_s=1.0, max_deliveries=5, grace_s=1.0, poll_s=0.1)
+    task = asyncio.create_task(worker.run())
+    try:
+        client = make_client("alice")
+        await client.submit([[1, 2], [3, 4]], n=1, sampling={"max_tokens": 2})
+        await wait_until(lambda: _pending(r, Keys(policy).work("alice"), 2),
+                         what="the worker holds both groups")
+        await asyncio.to_thread(cluster.fail_over_by_kill, Keys(policy).trainers)
+        results = await collect(client, 2, timeout_s=60)
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+        await r.aclose()
+    assert sorted(x.group_index for x in results) == [0, 1] and {x.status for x in results} == {"ok"}
+    ours = [x for x in caplog.records if x.name == "rollq.worker"]
+    assert any("redis unreachable" in x.getMessage() and "handing it back" in x.getMessage() for x in ours), \
+        [x.getMessage() for x in ours]
+    assert [x.getMessage() for x in ours if x.exc_info] == []
 
 
 async def test_durable_submits_survive_three_failovers(cluster, policy, tmp_path):

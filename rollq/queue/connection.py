@@ -57,6 +57,12 @@ def _unavailable(e: BaseException) -> bool:
         ("Redis Cluster cannot be connected", "All slots are not covered"))
 
 
+def unreachable(e: BaseException) -> bool:
+    """Redis could not be reached, or a cluster could not serve the slot for now (a failover):
+    worth a one-line warning and a retry, not a traceback."""
+    return isinstance(e, (ConnectionError, TimeoutError)) or _unavailable(e)
+
+
 def _as_unavailable(e: BaseException) -> BaseException:
     return ClusterUnavailable(f"redis cluster unavailable: {e}") if _unavailable(e) else e
 
