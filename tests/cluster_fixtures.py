@@ -189,6 +189,9 @@ class FailoverCount:
     """Groups of surviving jobs without a result when the run ended."""
     duplicates: int = 0
     """Results delivered more than once."""
+    twice: dict[tuple[str, int], list[tuple[str, str]]] = field(default_factory=dict)
+    """(job, group) -> (result entry id, worker) of each delivery, for the groups delivered
+    more than once: one entry read twice (a lost delivery) or a group generated twice."""
     submit_s: list[float] = field(default_factory=list)
     """Latency of each acknowledged submit."""
 
@@ -202,7 +205,7 @@ async def submit_through_failovers(cluster: ClusterProcesses, url: str, policy: 
     times, each time after its replica lagged `lag_s`. The first kill waits until `workers`
     workers' heartbeats show them serving `policy` (a worker still starting would meet the
     failover in its own start-up, which is not what this counts). Then count what was lost."""
-    count, received = FailoverCount(), Counter()
+    count, received, seen = FailoverCount(), Counter(), {}
     stop = asyncio.Event()
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(
@@ -224,6 +227,8 @@ async def submit_through_failovers(cluster: ClusterProcesses, url: str, policy: 
         async def read(client: RolloutClient) -> None:
             async for result in client.results(block_s=0.5):
                 received[(result.job_id, result.group_index)] += 1
+                seen.setdefault((result.job_id, result.group_index), []).append(
+                    (result.entry_id, result.worker_id))
 
         readers = [asyncio.create_task(read(c)) for c in clients]
         senders = [asyncio.create_task(submit(k)) for k in range(submitters)]
@@ -246,6 +251,7 @@ async def submit_through_failovers(cluster: ClusterProcesses, url: str, policy: 
         await asyncio.gather(*readers, return_exceptions=True)
     count.missing_results = len(expected - set(received))
     count.duplicates = sum(n - 1 for n in received.values())
+    count.twice = {k: v for k, v in seen.items() if len(v) > 1}
     return count
 
 

@@ -18,6 +18,7 @@ from collections import Counter
 import aiohttp
 import numpy as np
 import pytest
+import redis as redis_sync
 from cluster_fixtures import ClusterProcesses, shared_cluster, submit_through_failovers
 from conftest import WorkerProcess
 from helpers import collect, wait_until
@@ -287,6 +288,40 @@ async def test_a_failover_under_a_group_is_a_warning_not_a_traceback(cluster, ma
     assert [x.getMessage() for x in ours if x.exc_info] == []
 
 
+async def test_a_durable_read_is_not_handed_out_twice_by_a_failover(cluster, make_worker, policy):
+    """A read records the delivery (a write). If the primary dies before its replica holds that,
+    the promoted replica hands the same result out again. With durability the reader WAITs
+    behind its read before handing results out, so the delivery happens where it survives."""
+    make_worker("w1")
+    trainer = RolloutClient(cluster.url + "?durable_replicas=1&durable_timeout_ms=5000", policy=policy,
+                            trainer_id="alice", reconnect_s=60)
+    try:
+        await trainer.submit([[1, 2]], n=1, sampling={"max_tokens": 2}, job_id="before")
+        await collect(trainer, 1, timeout_s=30)  # the trainer's group exists, replicated
+        await trainer.submit([[1, 2]], n=1, sampling={"max_tokens": 2}, job_id="during")
+        stream = Keys(policy).results("alice")
+        primary = cluster.primary_of(stream)
+        replica = cluster.replica_of(primary)
+        with redis_sync.Redis(port=replica.port) as r:  # the result is on the replica
+            r.execute_command("READONLY")
+            await wait_until(lambda: r.xlen(stream) == 1, what="the result on the replica")
+        # The replica lags 2 s, then its primary dies. In that window other writes fill the
+        # replication socket (else the replica reads the read's delivery from its buffer when
+        # it resumes), then the trainer reads.
+        failover = asyncio.create_task(asyncio.to_thread(cluster.fail_over_by_kill, stream, lag_s=2.0))
+        await asyncio.sleep(0.3)
+        with redis_sync.Redis(port=primary.port) as r:
+            for i in range(48):
+                r.set(f"{{{policy}}}filler{i}", b"x" * 1_000_000)
+        first = await trainer.take(1, timeout_s=60)
+        await failover
+        again = await trainer.take(1, timeout_s=3)
+    finally:
+        await trainer.close()
+    assert [r.job_id for r in first] == ["during"]
+    assert again == [], "the same result was handed out twice"
+
+
 async def test_durable_submits_survive_three_failovers(cluster, policy, tmp_path, request):
     """Primaries SIGKILLed while 3 trainers submit and 3 workers serve, each time after its
     replica lagged: with `durable_replicas=1` every acknowledged submit survives, and every
@@ -307,4 +342,4 @@ async def test_durable_submits_survive_three_failovers(cluster, policy, tmp_path
     assert len(count.acknowledged) > 20
     assert count.lost_jobs == []
     assert count.missing_results == 0
-    assert count.duplicates == 0
+    assert count.duplicates == 0, count.twice
