@@ -30,8 +30,9 @@ from safetensors.numpy import save_file
 from rollq.client import RolloutClient
 from rollq.engine.instant import InstantEngine, expected_tokens
 from rollq.protocol import pack_tokens
+from rollq.queue import results
 from rollq.queue.connection import Durability, connect, parse_url
-from rollq.queue.keys import Keys
+from rollq.queue.keys import TRAINER_GROUP, Keys
 from rollq.queue.work import WORKERS_GROUP, WorkQueue
 from rollq.security import trainer_acl
 from rollq.status import policies, policy_status
@@ -320,6 +321,23 @@ async def test_a_durable_read_is_not_handed_out_twice_by_a_failover(cluster, mak
         await trainer.close()
     assert [r.job_id for r in first] == ["during"]
     assert again == [], "the same result was handed out twice"
+
+
+async def test_a_consumer_group_lost_with_its_primary_is_made_again(cluster, redis, make_client,
+                                                                     make_worker, policy, monkeypatch):
+    """A trainer's consumer group made just before its primary died is gone on the promoted
+    replica (as on a wiped Redis): the periodic look for orphaned results must make it again,
+    not fail the trainer's read with NOGROUP."""
+    monkeypatch.setattr(results, "ORPHAN_CHECK_S", 0.2)
+    make_worker("w1")
+    trainer = make_client("alice")
+    await trainer.submit([[1]], n=1, sampling={"max_tokens": 2})
+    await collect(trainer, 1, timeout_s=30)
+    await redis.xgroup_destroy(Keys(policy).results("alice"), TRAINER_GROUP)
+    await asyncio.sleep(0.3)  # the next read looks for orphans first
+    await trainer.submit([[2]], n=1, sampling={"max_tokens": 2})
+    [again] = await collect(trainer, 1, timeout_s=30)
+    assert again.prompt_ids == [2]
 
 
 async def test_durable_submits_survive_three_failovers(cluster, policy, tmp_path, request):

@@ -156,8 +156,16 @@ class ResultReader:
         return reply
 
     async def _has_orphans(self) -> bool:
-        pending = await self.redis.xpending_range(self.stream, TRAINER_GROUP, "-", "+", 10_000,
-                                                  consumername=self.consumer)
+        try:
+            pending = await self.redis.xpending_range(self.stream, TRAINER_GROUP, "-", "+", 10_000,
+                                                      consumername=self.consumer)
+        except ResponseError as e:
+            # The group is gone (a wiped Redis, or made just before a primary died): the read
+            # makes it again, and nothing is pending in a new group.
+            if not str(e).startswith("NOGROUP"):
+                raise
+            self._group_ready = False
+            return False
         ids = {p["message_id"].decode() for p in pending}
         if len(pending) < 10_000:
             self._handed &= ids  # the rest were acknowledged elsewhere (another connection)
