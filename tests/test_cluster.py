@@ -357,6 +357,8 @@ async def test_durable_submits_survive_three_failovers(cluster, policy, tmp_path
     finally:
         for worker in workers:
             worker.close()
+    print(f"acknowledged {len(count.acknowledged)} submits, lost {len(count.lost_jobs)}, "
+          f"unanswered groups {count.missing_results}, duplicates {count.duplicates}")
     assert len(count.acknowledged) > 20
     assert count.lost_jobs == []
     assert count.missing_results == 0
