@@ -8,6 +8,7 @@ them. A short node timeout makes a killed primary's replica take over within a f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import shutil
@@ -18,12 +19,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import redis as redis_sync
 from redis.cluster import key_slot
 
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
 from rollq.queue.keys import Keys
+from rollq.worker.heartbeat import live_workers
 
 NODE_TIMEOUT_MS = 1500
 """How long a primary may be silent before its replica takes over (redis default: 15 s)."""
@@ -159,6 +162,21 @@ class ClusterProcesses:
             node.stop()
 
 
+_SHARED = pytest.StashKey[ClusterProcesses]()
+
+
+def shared_cluster(request, tmp_path_factory) -> ClusterProcesses:
+    """One cluster for the whole test session (a start costs seconds): started by the first
+    module that asks, stopped when pytest ends. Each module's `cluster` fixture returns it
+    (a fixture defined here and imported by two modules would be two fixtures, two clusters)."""
+    nodes = request.config.stash.get(_SHARED, None)
+    if nodes is None:
+        nodes = ClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
+        request.config.stash[_SHARED] = nodes
+        request.config.add_cleanup(nodes.stop)
+    return nodes
+
+
 @dataclass
 class FailoverCount:
     """What a trainer lost while primaries were killed under it."""
@@ -171,33 +189,48 @@ class FailoverCount:
     """Groups of surviving jobs without a result when the run ended."""
     duplicates: int = 0
     """Results delivered more than once."""
+    twice: dict[tuple[str, int], list[tuple[str, str]]] = field(default_factory=dict)
+    """(job, group) -> (result entry id, worker) of each delivery, for the groups delivered
+    more than once: one entry read twice (a lost delivery) or a group generated twice."""
     submit_s: list[float] = field(default_factory=list)
     """Latency of each acknowledged submit."""
 
 
 async def submit_through_failovers(cluster: ClusterProcesses, url: str, policy: str, *, failovers: int,
                                    lag_s: float = 0.0, submitters: int = 4, groups: int = 4,
-                                   settle_s: float = 60) -> FailoverCount:
-    """Trainers submit (job ids `<submitter>-<i>`) and read results while the primary of the
-    policy's slot is SIGKILLed `failovers` times, each time after its replica lagged `lag_s`;
-    a worker must already serve `policy` on `url`. Then count what was lost."""
-    count, received = FailoverCount(), Counter()
+                                   trainers: int = 1, workers: int = 1, settle_s: float = 60,
+                                   workers_timeout_s: float = 120) -> FailoverCount:
+    """Trainers (`trainer0`.., fed by `submitters` tasks round-robin, job ids `<submitter>-<i>`)
+    submit and read results while the primary of the policy's slot is SIGKILLed `failovers`
+    times, each time after its replica lagged `lag_s`. The first kill waits until `workers`
+    workers' heartbeats show them serving `policy` (a worker still starting would meet the
+    failover in its own start-up, which is not what this counts). Then count what was lost."""
+    count, received, seen = FailoverCount(), Counter(), {}
     stop = asyncio.Event()
-    async with RolloutClient(url, policy=policy, trainer_id="trainer", reconnect_s=120) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(
+            RolloutClient(url, policy=policy, trainer_id=f"trainer{t}", reconnect_s=120))
+            for t in range(trainers)]
+        await _wait_serving(clients[0], workers, workers_timeout_s)
+        owner: dict[str, RolloutClient] = {}
+
         async def submit(k: int) -> None:
+            client = clients[k % trainers]
             for i in itertools.count():
                 if stop.is_set():
                     return
                 began = time.monotonic()
                 job = await client.submit([[k + 1, i, g] for g in range(groups)], n=1, job_id=f"{k}-{i}")
                 count.submit_s.append(time.monotonic() - began)
-                count.acknowledged[job] = groups
+                count.acknowledged[job], owner[job] = groups, client
 
-        async def read() -> None:
+        async def read(client: RolloutClient) -> None:
             async for result in client.results(block_s=0.5):
                 received[(result.job_id, result.group_index)] += 1
+                seen.setdefault((result.job_id, result.group_index), []).append(
+                    (result.entry_id, result.worker_id))
 
-        reader = asyncio.create_task(read())
+        readers = [asyncio.create_task(read(c)) for c in clients]
         senders = [asyncio.create_task(submit(k)) for k in range(submitters)]
         for _ in range(failovers):
             await asyncio.sleep(1.0)  # traffic before each kill
@@ -206,18 +239,33 @@ async def submit_through_failovers(cluster: ClusterProcesses, url: str, policy: 
         stop.set()
         await asyncio.gather(*senders)
         for job in count.acknowledged:
-            if await _job_gone(client, job):
+            if await _job_gone(owner[job], job):
                 count.lost_jobs.append(job)
         expected = {(j, g) for j, n in count.acknowledged.items() if j not in count.lost_jobs
                     for g in range(n)}
         give_up = time.monotonic() + settle_s
         while not expected <= set(received) and time.monotonic() < give_up:
             await asyncio.sleep(0.2)
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
     count.missing_results = len(expected - set(received))
     count.duplicates = sum(n - 1 for n in received.values())
+    count.twice = {k: v for k, v in seen.items() if len(v) > 1}
     return count
+
+
+async def _wait_serving(client: RolloutClient, workers: int, timeout_s: float) -> None:
+    give_up = time.monotonic() + timeout_s
+    while True:
+        beats = await live_workers(client.redis, client.keys)
+        serving = [b for b in beats if b.state == "serving" and time.time() - b.at < 10]
+        if len(serving) >= workers:
+            return
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"{len(serving)} of {workers} workers serving {client.keys.policy} "
+                               f"after {timeout_s} s: {beats}")
+        await asyncio.sleep(0.2)
 
 
 async def _job_gone(client: RolloutClient, job_id: str) -> bool:

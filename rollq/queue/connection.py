@@ -57,6 +57,12 @@ def _unavailable(e: BaseException) -> bool:
         ("Redis Cluster cannot be connected", "All slots are not covered"))
 
 
+def unreachable(e: BaseException) -> bool:
+    """Redis could not be reached, or a cluster could not serve the slot for now (a failover):
+    worth a one-line warning and a retry, not a traceback."""
+    return isinstance(e, (ConnectionError, TimeoutError)) or _unavailable(e)
+
+
 def _as_unavailable(e: BaseException) -> BaseException:
     return ClusterUnavailable(f"redis cluster unavailable: {e}") if _unavailable(e) else e
 
@@ -152,7 +158,8 @@ class Cluster(RedisCluster):
     def __init__(self, *args, **kwargs):
         # ClusterPipe overrides private parts of redis-py 5's cluster pipeline; redis-py 6
         # rebuilt it, and a WAIT sent to the wrong node would promise durability falsely.
-        if not redis.__version__.startswith("5.") or not hasattr(ClusterPipeline, "_execute"):
+        if (not redis.__version__.startswith("5.") or not hasattr(ClusterPipeline, "_execute")
+                or not hasattr(RedisCluster, "_determine_slot")):
             raise RuntimeError(f"rollq's Redis Cluster support is written against redis-py 5.x, found "
                                f"{redis.__version__}; install redis>=5.3,<6 for cluster URLs")
         super().__init__(*args, **kwargs)
@@ -179,10 +186,40 @@ class Cluster(RedisCluster):
                 raise _as_unavailable(e) from e
             raise
 
+    async def _determine_slot(self, command: str, *args):
+        # redis-py asks a node `COMMAND GETKEYS` for commands whose keys move (a round trip
+        # before every claim, result read and version poll); a stream read's keys are the first
+        # half of what follows STREAMS.
+        if isinstance(command, str) and command.upper() in STREAM_READS:
+            keys = _stream_keys(command.upper(), args)
+            if keys:
+                slots = {self.keyslot(k) for k in keys}
+                if len(slots) == 1:
+                    return slots.pop()
+        return await super()._determine_slot(command, *args)
+
     def pipeline(self, transaction=None, shard_hint=None) -> ClusterPipeline:
         if transaction or shard_hint:  # refused by redis-py's cluster pipeline, with its message
             return super().pipeline(transaction, shard_hint)
         return ClusterPipe(self)
+
+
+STREAM_READS = {"XREAD": 0, "XREADGROUP": 3}
+"""Stream reads, with where their options start (XREADGROUP: after GROUP group consumer)."""
+
+
+def _stream_keys(command: str, args) -> list:
+    """The keys of `XREAD[GROUP] ... [COUNT n] [BLOCK ms] [NOACK] STREAMS k1 .. kn id1 .. idn`
+    (args without the command); [] for anything else (redis-py then asks the server)."""
+    i = STREAM_READS[command]
+    while i < len(args):
+        word = args[i].decode(errors="replace") if isinstance(args[i], bytes) else str(args[i])
+        word = word.upper()
+        if word == "STREAMS":
+            rest = args[i + 1:]
+            return list(rest[:len(rest) // 2]) if rest and len(rest) % 2 == 0 else []
+        i += {"COUNT": 2, "BLOCK": 2, "NOACK": 1}.get(word, len(args))
+    return []
 
 
 class ClusterPipe(ClusterPipeline):

@@ -17,14 +17,18 @@ reads with `hand=False` and calls `hand` as it gives each one out. What was read
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from rollq.protocol import GroupResult, decode_result
+from rollq.queue.connection import NotReplicated, check_replicated, durability, queue_wait
 from rollq.queue.keys import TRAINER_GROUP, Keys
 from rollq.queue.scripts import Scripts, call_durably
+
+log = logging.getLogger("rollq.client")
 
 ACK_CHUNK = 1000
 """Ids per ack call (Lua's unpack has a stack limit)."""
@@ -96,10 +100,7 @@ class ResultReader:
         while True:
             start = self._cursor if self._replaying else ">"
             try:
-                reply = await self.redis.xreadgroup(
-                    TRAINER_GROUP, self.consumer, {self.stream: start}, count=count,
-                    block=None if self._replaying else block_ms,
-                )
+                reply = await self._xreadgroup(start, count, None if self._replaying else block_ms)
             except ResponseError as e:
                 # UNBLOCKED: the stream was deleted while we blocked on it (a wiped Redis).
                 if not str(e).startswith(("NOGROUP", "UNBLOCKED")):
@@ -130,9 +131,41 @@ class ResultReader:
             if out or not self._replaying:
                 return out
 
+    async def _xreadgroup(self, start: str, count: int, block_ms: int | None):
+        """XREADGROUP; with durability (a URL's `durable_replicas`), WAIT behind it on the same
+        connection. A read is a write (it records the delivery): a primary that died before its
+        replica held that would leave the results undelivered on the promoted replica, which hands
+        them out again. Once a replica holds the delivery it holds the entries read too."""
+        wanted = durability(self.redis)
+        if not wanted.replicas:
+            return await self.redis.xreadgroup(TRAINER_GROUP, self.consumer, {self.stream: start},
+                                               count=count, block=block_ms)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xreadgroup(TRAINER_GROUP, self.consumer, {self.stream: start}, count=count, block=block_ms)
+            queue_wait(pipe, self.stream, wanted)
+            reply, replicas = await pipe.execute(raise_on_error=False)
+        if isinstance(reply, Exception):
+            raise reply
+        if reply and reply[0][1]:
+            try:
+                check_replicated(replicas, wanted)
+            except NotReplicated as e:
+                # Handed out all the same, as a worker's unreplicated result is kept: a failover
+                # in this moment may hand them out again (docs/reliability.md).
+                log.warning("results read from %s: %s", self.stream, e)
+        return reply
+
     async def _has_orphans(self) -> bool:
-        pending = await self.redis.xpending_range(self.stream, TRAINER_GROUP, "-", "+", 10_000,
-                                                  consumername=self.consumer)
+        try:
+            pending = await self.redis.xpending_range(self.stream, TRAINER_GROUP, "-", "+", 10_000,
+                                                      consumername=self.consumer)
+        except ResponseError as e:
+            # The group is gone (a wiped Redis, or made just before a primary died): the read
+            # makes it again, and nothing is pending in a new group.
+            if not str(e).startswith("NOGROUP"):
+                raise
+            self._group_ready = False
+            return False
         ids = {p["message_id"].decode() for p in pending}
         if len(pending) < 10_000:
             self._handed &= ids  # the rest were acknowledged elsewhere (another connection)

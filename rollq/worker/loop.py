@@ -22,6 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rollq.engine.base import Engine, EngineDead, GroupError
 from rollq.protocol import (MAX_N, GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode,
                             peek_header)
+from rollq.queue.connection import unreachable
 from rollq.queue.work import Claimed, WorkQueue
 from rollq.registry.versions import Registry
 from rollq.worker.admission import Admission
@@ -228,7 +229,13 @@ class Worker:
             self._stopping.set()
             self._hurry.set()
         except Exception as e:  # a bug or Redis trouble: hand it back, counted, with the error
-            log.exception("group %s/%s failed unexpectedly; handing it back", c.job_id, c.group_index)
+            if unreachable(e):
+                # One line: under a failover every held group lands here at once, and a rendered
+                # traceback each would stall the event loop that must ride the failover out.
+                log.warning("group %s/%s: redis unreachable (%s: %s); handing it back", c.job_id,
+                            c.group_index, type(e).__name__, e)
+            else:
+                log.exception("group %s/%s failed unexpectedly; handing it back", c.job_id, c.group_index)
             self.stats.error()
             await self._release_quietly([c], error=f"{type(e).__name__}: {e}", refund=False)
         finally:
