@@ -7,20 +7,29 @@
 2. submit latency without and with `WAIT 1` (no failover; jobs of 4 groups, n=8).
 3. per group: Redis commands, CPU time, network bytes and memory on the policy's primary for
    2,000 groups submitted, served (instant engine), read and acknowledged.
+4. cluster vs one node, same run: the dispatch and scale workloads (below) alternately against
+   one redis-server with one replica and against the cluster's primary of the policy (a
+   different shard each repeat), Redis-side cost per group as ratios cluster / one node, and
+   each shard's capacity (groups/s one core carries; dispatch groups/s measured).
 
-    PYTHONPATH=. python bench/cluster.py [--failovers-only]   # prints JSON, writes bench/results/cluster.json
+    PYTHONPATH=. python bench/cluster.py [--failovers-only | --vs-one-node [--repeats 3]]
+    # prints JSON, writes bench/results/cluster.json (cluster-failovers.json, cluster-vs-one-node.json)
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import atexit
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import redis as redis_sync
@@ -30,8 +39,13 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from cluster_fixtures import ClusterProcesses, submit_through_failovers  # noqa: E402
 
+from common import machine, stop_process  # noqa: E402
+from dispatch import _at_least_members, _spawn, _wait  # noqa: E402
+from scale import fill  # noqa: E402
+
 from rollq.bench import results_dir  # noqa: E402
 from rollq.client import RolloutClient  # noqa: E402
+from rollq.faults import RedisProcess  # noqa: E402
 from rollq.engine.instant import InstantEngine  # noqa: E402
 from rollq.queue.connection import connect  # noqa: E402
 from rollq.queue.keys import Keys  # noqa: E402
@@ -115,25 +129,237 @@ async def per_group(cluster: ClusterProcesses, groups: int = 2000, per_job: int 
                 work_stream_bytes_per_queued_group=round(queued / groups),
                 used_memory_per_queued_group=round(used_queued / groups))
 
+# Cluster vs one node, same run.
+#
+# dispatch: no-op groups (1-token prompt, n=1) submitted in jobs of 1,000 while one
+#   `rollq worker --engine instant` (max_inflight 256) serves them, as bench/dispatch.py.
+# scale: 16-token groups queued ahead in jobs of 10,000 (bench/scale.py's fill), then drained
+#   by 2 worker processes, as bench/scale.py's depth and worker-count shapes.
+# In both the trainer takes (reads and acknowledges) every result.
 
-async def main() -> None:
+WORKLOADS = {"dispatch": dict(workers=1, prefill=False), "scale": dict(workers=2, prefill=True)}
+ADMIN = Counter({"config|resetstat": 1, "info": 1})
+"""This benchmark's own commands to the measured node (the reset, the first INFO): not counted."""
+SENT: Counter = Counter()
+"""(port, command) -> commands this process's asyncio clients sent (count_sent)."""
+
+
+def count_sent() -> None:
+    """Count every command redis-py's asyncio connections pack (pipelines pack each command),
+    by the server port it goes to: what clients send, which `INFO commandstats` (counting also
+    the commands run inside scripts) cannot tell apart."""
+    from redis.asyncio.connection import AbstractConnection
+
+    pack = AbstractConnection.pack_command
+
+    def counted(self, *args):
+        name = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
+        SENT[(getattr(self, "port", 0), name.lower())] += 1
+        return pack(self, *args)
+
+    AbstractConnection.pack_command = counted
+
+
+def counted_worker(out: str, args: list[str]) -> None:
+    """`rollq worker ARGS` with its sent commands written to `out` as it exits."""
+    from rollq.cli import main as cli
+
+    count_sent()
+    atexit.register(lambda: Path(out).write_text(json.dumps([[p, c, n] for (p, c), n in SENT.items()])))
+    cli(["worker", *args])
+
+
+class OneNode:
+    """One redis-server feeding one replica, both with AOF fsynced on every write like the
+    cluster's nodes: what the cluster's primary does for its shard, without the cluster."""
+
+    def __init__(self, workdir: Path):
+        self.primary = RedisProcess(workdir / "primary")
+        self.replica = RedisProcess(workdir / "replica",
+                                    extra=["--replicaof", "127.0.0.1", str(self.primary.port)])
+        self.url = self.primary.url
+
+    def start(self, timeout_s: float = 30) -> OneNode:
+        self.primary.start()
+        self.replica.start()
+        give_up = time.monotonic() + timeout_s
+        with redis_sync.Redis(port=self.primary.port, decode_responses=True) as r:
+            while r.info("replication").get("slave0", {}).get("state") != "online":
+                if time.monotonic() > give_up:
+                    raise RuntimeError(f"the replica did not sync; log: {self.replica.workdir / 'redis.log'}")
+                time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        self.replica.stop()
+        self.primary.stop()
+
+
+def cluster_primaries(cluster: ClusterProcesses) -> list[RedisProcess]:
+    with redis_sync.Redis(port=cluster.nodes[0].port) as r:
+        ports = {int(primary[1]) for _, _, primary, *_ in r.execute_command("CLUSTER", "SLOTS")}
+    return [n for n in cluster.nodes if n.port in ports]
+
+
+def policy_on(cluster: ClusterProcesses, node: RedisProcess, prefix: str) -> str:
+    """A fresh policy name whose slot `node` serves."""
+    while True:
+        policy = f"{prefix}{uuid.uuid4().hex[:8]}"
+        if cluster.primary_of(Keys(policy).trainers) is node:
+            return policy
+
+
+async def serve(url: str, policy: str, groups: int, *, workers: int, prefill: bool,
+                tmp: Path) -> tuple[float, Counter]:
+    """One workload: seconds from the workers' start to the last result taken, and the
+    commands the worker processes sent."""
+    outs = [tmp / f"{policy}-{i}.json" for i in range(workers)]
+    client = RolloutClient(url, policy=policy, trainer_id="bench", max_outstanding=10**7)
+    procs = []
+    try:
+        if prefill:
+            await fill(client, groups)
+        procs = [_spawn([sys.executable, str(HERE / "cluster.py"), "--counted-worker", str(out),
+                         "--redis-url", url, "--policy", policy, "--engine", "instant",
+                         "--max-inflight", "256", "--poll-s", "0.05"],
+                        {"PYTHONPATH": f"{HERE}:{HERE.parent}"}) for out in outs]
+        await _wait(lambda: _at_least_members(client.redis, Keys(policy).workers, workers))
+        began = time.perf_counter()
+        for start in range(0, groups if not prefill else 0, 1000):
+            await client.submit([[1]] * min(1000, groups - start), n=1, sampling={"max_tokens": 1})
+        got = 0
+        while got < groups:
+            got += len(await client.take(min(5000, groups - got), timeout_s=60))
+        took = time.perf_counter() - began
+    finally:
+        for proc in procs:
+            stop_process(proc, 20)
+        await client.close()
+    sent = Counter()
+    for out in outs:
+        sent.update({(port, name): n for port, name, n in json.loads(out.read_text())})
+    return took, sent
+
+
+def _cpu(info: dict, suffixes: tuple[str, ...] = ("", )) -> float:
+    return sum(info[f"used_cpu_{k}{s}"] for k in ("user", "sys") for s in suffixes)
+
+
+async def measure(target: str, url: str, node: RedisProcess, policy: str, workload: str, groups: int,
+                  tmp: Path) -> dict:
+    """Redis-side cost per group of `workload` on `node` (the primary holding `policy`)."""
+    admin = redis_sync.Redis(port=node.port, decode_responses=True)
+    admin.config_resetstat()
+    before = admin.info("all")
+    SENT.clear()
+    took, worker_sent = await serve(url, policy, groups, tmp=tmp, **WORKLOADS[workload])
+    after = admin.info("all")
+    admin.close()
+    calls = Counter({k.removeprefix("cmdstat_"): v["calls"] for k, v in after.items()
+                     if k.startswith("cmdstat_") and isinstance(v, dict)}) - ADMIN
+    sent = Counter({name: n for (port, name), n in (SENT + worker_sent).items() if port == node.port})
+    delta = {k: after[k] - before[k] for k in ("total_net_input_bytes", "total_net_output_bytes",
+                                               "total_net_repl_output_bytes")}
+    cpu = _cpu(after) - _cpu(before)
+    cpu_main = _cpu(after, ("_main_thread",)) - _cpu(before, ("_main_thread",))
+    return dict(target=target, workload=workload, port=node.port, groups=groups, seconds=round(took, 3),
+                groups_per_s=round(groups / took), busy=round(cpu_main / took, 3),
+                commands=round(calls.total() / groups, 3), sent=round(sent.total() / groups, 3),
+                commands_by_name={k: round(v / groups, 3) for k, v in sorted(calls.items())},
+                sent_by_name={k: round(v / groups, 3) for k, v in sorted(sent.items())},
+                net_in_bytes=round(delta["total_net_input_bytes"] / groups, 1),
+                net_out_bytes=round(delta["total_net_output_bytes"] / groups, 1),
+                repl_out_bytes=round(delta["total_net_repl_output_bytes"] / groups, 1),
+                cpu_us=round(cpu / groups * 1e6, 2), cpu_main_us=round(cpu_main / groups * 1e6, 2))
+
+
+COMPARED = ("commands", "sent", "net_in_bytes", "net_out_bytes", "cpu_us")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians per workload and target, cluster / one-node ratios against the 1.3x target, and
+    each shard's capacity (1 s of its main thread / main-thread CPU per group)."""
+    out = {}
+    for workload in WORKLOADS:
+        med = {t: {k: statistics.median(r[k] for r in runs if r["target"] == t and r["workload"] == workload)
+                   for k in (*COMPARED, "cpu_main_us", "repl_out_bytes", "groups_per_s")}
+               for t in ("one node", "cluster")}
+        ratios = {k: round(med["cluster"][k] / med["one node"][k], 3) for k in COMPARED}
+        out[workload] = dict(medians=med, ratios=ratios, within_1_3={k: v <= 1.3 for k, v in ratios.items()})
+    shards = {}
+    for r in runs:
+        if r["target"] == "cluster":
+            shard = shards.setdefault(r["port"], {})
+            shard[f"{r['workload']}_cpu_main_us"] = r["cpu_main_us"]
+            shard[f"{r['workload']}_capacity_groups_per_s"] = round(1e6 / r["cpu_main_us"])
+            shard[f"{r['workload']}_measured_groups_per_s"] = r["groups_per_s"]
+            shard[f"{r['workload']}_busy"] = r["busy"]
+    out["shards"] = shards
+    return out
+
+
+async def vs_one_node(tmp: Path, cluster: ClusterProcesses, repeats: int, groups: int) -> dict:
+    count_sent()  # the trainer's commands
+    one = OneNode(tmp / "one").start()
+    try:
+        shards = cluster_primaries(cluster)
+        # Unmeasured, so both compare in steady state: a node first meets rollq's scripts here.
+        # (A cluster node without a script answers a whole pipeline NOSCRIPT and gets it again
+        # as EVALs with the script's source; a single node's pipeline sends SCRIPT LOAD first.)
+        for url, node in [(one.url, one.primary)] + [(cluster.url, s) for s in shards]:
+            policy = policy_on(cluster, node, "warm") if url == cluster.url else "warm"
+            await serve(url, policy, 1000, tmp=tmp, **WORKLOADS["dispatch"])
+        runs = []
+        for i in range(repeats):
+            shard = shards[i % len(shards)]
+            targets = [("one node", one.url, one.primary), ("cluster", cluster.url, shard)]
+            for target, url, node in targets if i % 2 == 0 else targets[::-1]:
+                for workload in WORKLOADS:
+                    policy = (policy_on(cluster, node, workload) if target == "cluster"
+                              else f"{workload}{uuid.uuid4().hex[:8]}")
+                    runs.append(await measure(target, url, node, policy, workload, groups, tmp))
+                    r = runs[-1]
+                    print(f"{target:8} {workload:8} port {r['port']}: {r['commands']} commands "
+                          f"({r['sent']} sent), {r['cpu_us']} us CPU, in {r['net_in_bytes']} B, out "
+                          f"{r['net_out_bytes']} B per group; {r['groups_per_s']} groups/s", flush=True)
+    finally:
+        one.stop()
+    load = os.getloadavg()
+    return dict(groups=groups, repeats=repeats, load_average=[round(x, 2) for x in load],
+                summary=summarize(runs), runs=runs)
+
+
+async def main(args: argparse.Namespace) -> None:
     out = {}
     log_dir = results_dir()  # the worker logs of the failover runs stay for a look
     log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         cluster = ClusterProcesses(Path(tmp) / "cluster").start()
         try:
-            if "--failovers-only" not in sys.argv:
+            if args.vs_one_node:
+                out["vs_one_node"] = await vs_one_node(Path(tmp), cluster, args.repeats, args.groups)
+            elif not args.failovers_only:
                 out["per_group"] = await per_group(cluster)
                 out["latency"] = [await latency(cluster, d) for d in (False, True)]
-            out["failovers"] = [await failovers(cluster, d, log_dir, lag)
-                                for lag in (0.0, 2.0) for d in (False, True)]
+                out["vs_one_node"] = await vs_one_node(Path(tmp), cluster, args.repeats, args.groups)
+            if not args.vs_one_node:
+                out["failovers"] = [await failovers(cluster, d, log_dir, lag)
+                                    for lag in (0.0, 2.0) for d in (False, True)]
         finally:
             cluster.stop()
+    out["date"], out["machine"] = time.strftime("%Y-%m-%d %H:%M"), machine()
     print(json.dumps(out, indent=1))
-    name = "cluster-failovers.json" if "--failovers-only" in sys.argv else "cluster.json"
+    name = ("cluster-failovers.json" if args.failovers_only else
+            "cluster-vs-one-node.json" if args.vs_one_node else "cluster.json")
     (results_dir() / name).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    if sys.argv[1:2] == ["--counted-worker"]:  # a worker process of vs_one_node
+        counted_worker(sys.argv[2], sys.argv[3:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--failovers-only", action="store_true")
+    parser.add_argument("--vs-one-node", action="store_true", help="only the cluster vs one node comparison")
+    parser.add_argument("--repeats", type=int, default=3, help="of the comparison (one shard each)")
+    parser.add_argument("--groups", type=int, default=10_000, help="per workload run of the comparison")
+    asyncio.run(main(parser.parse_args()))
