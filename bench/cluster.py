@@ -12,8 +12,10 @@
    different shard each repeat), Redis-side cost per group as ratios cluster / one node, and
    each shard's capacity (groups/s one core carries; dispatch groups/s measured).
 
-    PYTHONPATH=. python bench/cluster.py [--failovers-only | --vs-one-node [--repeats 3]]
-    # prints JSON, writes bench/results/cluster.json (cluster-failovers.json, cluster-vs-one-node.json)
+    PYTHONPATH=. python bench/cluster.py [--parts per_group,latency,vs_one_node,failovers]
+        [--failovers-only | --vs-one-node] [--repeats 6] [--groups 10000]
+    # prints JSON (and the comparison's table); writes bench/results/cluster.json when every
+    # part ran, else cluster-<parts>.json (cluster-failovers.json, cluster-vs-one-node.json)
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ async def per_group(cluster: ClusterProcesses, groups: int = 2000, per_job: int 
                         max_inflight=64, lease_s=30, max_deliveries=3, grace_s=1, poll_s=0.1)
         task = asyncio.create_task(worker.run())
         got = await client.take(groups, timeout_s=600)
+        await client.ack()  # take acknowledges at its next call: the whole life cycle needs it now
         worker.stop()
         await task
         await redis.aclose()
@@ -230,6 +233,7 @@ async def serve(url: str, policy: str, groups: int, *, workers: int, prefill: bo
         got = 0
         while got < groups:
             got += len(await client.take(min(5000, groups - got), timeout_s=60))
+        await client.ack()  # take acknowledges a batch at the next call: the last one now
         took = time.perf_counter() - began
     finally:
         for proc in procs:
@@ -250,10 +254,10 @@ async def measure(target: str, url: str, node: RedisProcess, policy: str, worklo
     """Redis-side cost per group of `workload` on `node` (the primary holding `policy`)."""
     admin = redis_sync.Redis(port=node.port, decode_responses=True)
     admin.config_resetstat()
-    before = admin.info("all")
+    before, window = admin.info("all"), time.monotonic()
     SENT.clear()
     took, worker_sent = await serve(url, policy, groups, tmp=tmp, **WORKLOADS[workload])
-    after = admin.info("all")
+    after, window = admin.info("all"), time.monotonic() - window
     admin.close()
     calls = Counter({k.removeprefix("cmdstat_"): v["calls"] for k, v in after.items()
                      if k.startswith("cmdstat_") and isinstance(v, dict)}) - ADMIN
@@ -263,6 +267,7 @@ async def measure(target: str, url: str, node: RedisProcess, policy: str, worklo
     cpu = _cpu(after) - _cpu(before)
     cpu_main = _cpu(after, ("_main_thread",)) - _cpu(before, ("_main_thread",))
     return dict(target=target, workload=workload, port=node.port, groups=groups, seconds=round(took, 3),
+                window_s=round(window, 3),
                 groups_per_s=round(groups / took), busy=round(cpu_main / took, 3),
                 commands=round(calls.total() / groups, 3), sent=round(sent.total() / groups, 3),
                 commands_by_name={k: round(v / groups, 3) for k, v in sorted(calls.items())},
@@ -273,27 +278,42 @@ async def measure(target: str, url: str, node: RedisProcess, policy: str, worklo
                 cpu_us=round(cpu / groups * 1e6, 2), cpu_main_us=round(cpu_main / groups * 1e6, 2))
 
 
-COMPARED = ("commands", "sent", "net_in_bytes", "net_out_bytes", "cpu_us")
+COMPARED = ("commands", "sent", "net_in_bytes", "net_out_bytes", "cpu_us", "cpu_busy_us")
 
 
-def summarize(runs: list[dict]) -> dict:
+async def idle_cpu(node: RedisProcess, seconds: float = 3.0) -> float:
+    """CPU microseconds per second a node spends with no client work (its cron; a cluster
+    node's also gossip with every other node)."""
+    with redis_sync.Redis(port=node.port, decode_responses=True) as admin:
+        before = _cpu(admin.info("cpu"))
+        await asyncio.sleep(seconds)
+        return round((_cpu(admin.info("cpu")) - before) / seconds * 1e6, 1)
+
+
+def summarize(runs: list[dict], idle: dict[int, float]) -> dict:
     """Medians per workload and target, cluster / one-node ratios against the 1.3x target, and
-    each shard's capacity (1 s of its main thread / main-thread CPU per group)."""
+    each shard's capacity (1 s of its main thread / main-thread CPU per group). `cpu_busy_us`:
+    CPU per group less what the node spends idle over the same window (`idle`, us/s by port)."""
+    for r in runs:
+        r["cpu_busy_us"] = round(r["cpu_us"] - idle[r["port"]] * r["window_s"] / r["groups"], 2)
     out = {}
     for workload in WORKLOADS:
         med = {t: {k: statistics.median(r[k] for r in runs if r["target"] == t and r["workload"] == workload)
-                   for k in (*COMPARED, "cpu_main_us", "repl_out_bytes", "groups_per_s")}
+                   for k in (*COMPARED, "cpu_main_us", "repl_out_bytes", "groups_per_s", "window_s")}
                for t in ("one node", "cluster")}
         ratios = {k: round(med["cluster"][k] / med["one node"][k], 3) for k in COMPARED}
         out[workload] = dict(medians=med, ratios=ratios, within_1_3={k: v <= 1.3 for k, v in ratios.items()})
     shards = {}
     for r in runs:
         if r["target"] == "cluster":
-            shard = shards.setdefault(r["port"], {})
-            shard[f"{r['workload']}_cpu_main_us"] = r["cpu_main_us"]
-            shard[f"{r['workload']}_capacity_groups_per_s"] = round(1e6 / r["cpu_main_us"])
-            shard[f"{r['workload']}_measured_groups_per_s"] = r["groups_per_s"]
-            shard[f"{r['workload']}_busy"] = r["busy"]
+            shards.setdefault(r["port"], {}).setdefault(r["workload"], []).append(r)
+    for port, by_workload in shards.items():
+        shards[port] = {workload: dict(
+            runs=len(rs), cpu_main_us=statistics.median(r["cpu_main_us"] for r in rs),
+            capacity_groups_per_s=round(1e6 / statistics.median(r["cpu_main_us"] for r in rs)),
+            measured_groups_per_s=statistics.median(r["groups_per_s"] for r in rs),
+            busy=statistics.median(r["busy"] for r in rs), idle_cpu_us_per_s=idle[port])
+            for workload, rs in by_workload.items()}
     out["shards"] = shards
     return out
 
@@ -309,6 +329,7 @@ async def vs_one_node(tmp: Path, cluster: ClusterProcesses, repeats: int, groups
         for url, node in [(one.url, one.primary)] + [(cluster.url, s) for s in shards]:
             policy = policy_on(cluster, node, "warm") if url == cluster.url else "warm"
             await serve(url, policy, 1000, tmp=tmp, **WORKLOADS["dispatch"])
+        idle = {node.port: await idle_cpu(node) for node in [one.primary, *shards]}
         runs = []
         for i in range(repeats):
             shard = shards[i % len(shards)]
@@ -326,40 +347,66 @@ async def vs_one_node(tmp: Path, cluster: ClusterProcesses, repeats: int, groups
         one.stop()
     load = os.getloadavg()
     return dict(groups=groups, repeats=repeats, load_average=[round(x, 2) for x in load],
-                summary=summarize(runs), runs=runs)
+                idle_cpu_us_per_s=idle, summary=summarize(runs, idle), runs=runs)
 
 
-async def main(args: argparse.Namespace) -> None:
+def report(r: dict) -> None:
+    print(f"cluster vs one node: {r['groups']:,} groups per run, {r['repeats']} repeats, "
+          f"load {r['load_average']}")
+    for workload in WORKLOADS:
+        s = r["summary"][workload]
+        one, cluster = s["medians"]["one node"], s["medians"]["cluster"]
+        print(workload + ": " + "; ".join(
+            f"{k} {one[k]:,.1f} -> {cluster[k]:,.1f} = {v:.3f}x{'' if v <= 1.3 else ' MISSED'}"
+            for k, v in s["ratios"].items()))
+    for port, shard in r["summary"]["shards"].items():
+        print(f"shard {port}: " + "; ".join(
+            f"{w} {v['cpu_main_us']:.1f} us/group -> {v['capacity_groups_per_s']:,} groups/s per core "
+            f"(measured {v['measured_groups_per_s']:,.0f} groups/s at {v['busy']:.0%} busy)"
+            for w, v in shard.items()))
+
+
+PARTS = ("per_group", "latency", "vs_one_node", "failovers")
+
+
+async def main(parts: list[str], repeats: int, groups: int) -> None:
     out = {}
     log_dir = results_dir()  # the worker logs of the failover runs stay for a look
     log_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         cluster = ClusterProcesses(Path(tmp) / "cluster").start()
         try:
-            if args.vs_one_node:
-                out["vs_one_node"] = await vs_one_node(Path(tmp), cluster, args.repeats, args.groups)
-            elif not args.failovers_only:
+            if "per_group" in parts:
                 out["per_group"] = await per_group(cluster)
+            if "latency" in parts:
                 out["latency"] = [await latency(cluster, d) for d in (False, True)]
-                out["vs_one_node"] = await vs_one_node(Path(tmp), cluster, args.repeats, args.groups)
-            if not args.vs_one_node:
+            if "vs_one_node" in parts:
+                out["vs_one_node"] = await vs_one_node(Path(tmp), cluster, repeats, groups)
+            if "failovers" in parts:
                 out["failovers"] = [await failovers(cluster, d, log_dir, lag)
                                     for lag in (0.0, 2.0) for d in (False, True)]
         finally:
             cluster.stop()
     out["date"], out["machine"] = time.strftime("%Y-%m-%d %H:%M"), machine()
-    print(json.dumps(out, indent=1))
-    name = ("cluster-failovers.json" if args.failovers_only else
-            "cluster-vs-one-node.json" if args.vs_one_node else "cluster.json")
-    (results_dir() / name).write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k != "vs_one_node"}, indent=1))
+    if "vs_one_node" in out:
+        report(out["vs_one_node"])
+    name = "cluster" if list(parts) == list(PARTS) else "cluster-" + "-".join(parts).replace("_", "-")
+    (results_dir() / f"{name}.json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--counted-worker"]:  # a worker process of vs_one_node
         counted_worker(sys.argv[2], sys.argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--failovers-only", action="store_true")
-    parser.add_argument("--vs-one-node", action="store_true", help="only the cluster vs one node comparison")
-    parser.add_argument("--repeats", type=int, default=3, help="of the comparison (one shard each)")
-    parser.add_argument("--groups", type=int, default=10_000, help="per workload run of the comparison")
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
+    parser.add_argument("--failovers-only", action="store_true", help="--parts failovers")
+    parser.add_argument("--vs-one-node", action="store_true", help="--parts vs_one_node")
+    parser.add_argument("--repeats", type=int, default=6, help="of vs_one_node (a shard each, in turn)")
+    parser.add_argument("--groups", type=int, default=10_000, help="per workload run of vs_one_node")
+    args = parser.parse_args()
+    parts = (["failovers"] if args.failovers_only else ["vs_one_node"] if args.vs_one_node
+             else args.parts.split(","))
+    if set(parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(set(parts) - set(PARTS))}; there are {', '.join(PARTS)}")
+    asyncio.run(main([p for p in PARTS if p in parts], args.repeats, args.groups))
