@@ -249,33 +249,50 @@ def _cpu(info: dict, suffixes: tuple[str, ...] = ("", )) -> float:
     return sum(info[f"used_cpu_{k}{s}"] for k in ("user", "sys") for s in suffixes)
 
 
-async def measure(target: str, url: str, node: RedisProcess, policy: str, workload: str, groups: int,
-                  tmp: Path) -> dict:
-    """Redis-side cost per group of `workload` on `node` (the primary holding `policy`)."""
-    admin = redis_sync.Redis(port=node.port, decode_responses=True)
-    admin.config_resetstat()
-    before, window = admin.info("all"), time.monotonic()
+def _costs(pairs: list[tuple[dict, dict]], sent: Counter, groups: int, idle: float, window: float) -> dict:
+    """Per group, summed over nodes' (before, after) INFO: commands (all, and sent by clients),
+    bytes, CPU (and CPU less `idle` us/s over `window` s)."""
+    calls, net, cpu, cpu_main = Counter(), Counter(), 0.0, 0.0
+    for before, after in pairs:
+        calls += Counter({k.removeprefix("cmdstat_"): v["calls"] for k, v in after.items()
+                          if k.startswith("cmdstat_") and isinstance(v, dict)}) - ADMIN
+        net += Counter({k: after[k] - before[k] for k in ("total_net_input_bytes", "total_net_output_bytes",
+                                                          "total_net_repl_output_bytes")})
+        cpu += _cpu(after) - _cpu(before)
+        cpu_main += _cpu(after, ("_main_thread",)) - _cpu(before, ("_main_thread",))
+    return dict(commands=round(calls.total() / groups, 3), sent=round(sent.total() / groups, 3),
+                net_in_bytes=round(net["total_net_input_bytes"] / groups, 1),
+                net_out_bytes=round(net["total_net_output_bytes"] / groups, 1),
+                repl_out_bytes=round(net["total_net_repl_output_bytes"] / groups, 1),
+                cpu_us=round(cpu / groups * 1e6, 2), cpu_main_us=round(cpu_main / groups * 1e6, 2),
+                cpu_busy_us=round((cpu - idle * 1e-6 * window) / groups * 1e6, 2),
+                commands_by_name={k: round(v / groups, 3) for k, v in sorted(calls.items())},
+                sent_by_name={k: round(v / groups, 3) for k, v in sorted(sent.items())})
+
+
+async def measure(target: str, url: str, nodes: list[RedisProcess], policy: str, workload: str, groups: int,
+                  idle: dict[int, float], tmp: Path) -> dict:
+    """Redis-side cost per group of `workload` on the primaries `nodes`, the first of them
+    holding `policy` (a cluster client also sends some commands to the other primaries: the
+    `COMMAND GETKEYS` of each XREADGROUP goes to the node it first connected to)."""
+    admins = [redis_sync.Redis(port=n.port, decode_responses=True) for n in nodes]
+    for admin in admins:
+        admin.config_resetstat()
+    before, window = [a.info("all") for a in admins], time.monotonic()
     SENT.clear()
     took, worker_sent = await serve(url, policy, groups, tmp=tmp, **WORKLOADS[workload])
-    after, window = admin.info("all"), time.monotonic() - window
-    admin.close()
-    calls = Counter({k.removeprefix("cmdstat_"): v["calls"] for k, v in after.items()
-                     if k.startswith("cmdstat_") and isinstance(v, dict)}) - ADMIN
-    sent = Counter({name: n for (port, name), n in (SENT + worker_sent).items() if port == node.port})
-    delta = {k: after[k] - before[k] for k in ("total_net_input_bytes", "total_net_output_bytes",
-                                               "total_net_repl_output_bytes")}
-    cpu = _cpu(after) - _cpu(before)
-    cpu_main = _cpu(after, ("_main_thread",)) - _cpu(before, ("_main_thread",))
-    return dict(target=target, workload=workload, port=node.port, groups=groups, seconds=round(took, 3),
-                window_s=round(window, 3),
-                groups_per_s=round(groups / took), busy=round(cpu_main / took, 3),
-                commands=round(calls.total() / groups, 3), sent=round(sent.total() / groups, 3),
-                commands_by_name={k: round(v / groups, 3) for k, v in sorted(calls.items())},
-                sent_by_name={k: round(v / groups, 3) for k, v in sorted(sent.items())},
-                net_in_bytes=round(delta["total_net_input_bytes"] / groups, 1),
-                net_out_bytes=round(delta["total_net_output_bytes"] / groups, 1),
-                repl_out_bytes=round(delta["total_net_repl_output_bytes"] / groups, 1),
-                cpu_us=round(cpu / groups * 1e6, 2), cpu_main_us=round(cpu_main / groups * 1e6, 2))
+    after, window = [a.info("all") for a in admins], time.monotonic() - window
+    for admin in admins:
+        admin.close()
+    sent = SENT + worker_sent
+    by_port = [Counter({c: n for (p, c), n in sent.items() if p == node.port}) for node in nodes]
+    everywhere = _costs(list(zip(before, after)), sum(by_port, Counter()), groups,
+                        sum(idle[n.port] for n in nodes), window)
+    primary = _costs([(before[0], after[0])], by_port[0], groups, idle[nodes[0].port], window)
+    return dict(target=target, workload=workload, port=nodes[0].port, groups=groups, seconds=round(took, 3),
+                window_s=round(window, 3), groups_per_s=round(groups / took),
+                busy=round(primary["cpu_main_us"] * 1e-6 * groups / took, 3), **everywhere,
+                policy_primary=primary)
 
 
 COMPARED = ("commands", "sent", "net_in_bytes", "net_out_bytes", "cpu_us", "cpu_busy_us")
@@ -291,26 +308,31 @@ async def idle_cpu(node: RedisProcess, seconds: float = 3.0) -> float:
 
 
 def summarize(runs: list[dict], idle: dict[int, float]) -> dict:
-    """Medians per workload and target, cluster / one-node ratios against the 1.3x target, and
-    each shard's capacity (1 s of its main thread / main-thread CPU per group). `cpu_busy_us`:
-    CPU per group less what the node spends idle over the same window (`idle`, us/s by port)."""
-    for r in runs:
-        r["cpu_busy_us"] = round(r["cpu_us"] - idle[r["port"]] * r["window_s"] / r["groups"], 2)
+    """Medians per workload and target of the costs on every primary, cluster / one-node ratios
+    against the 1.3x target, and each shard's capacity (1 s of its main thread / its
+    main-thread CPU per group). `cpu_busy_us`: CPU per group less what the nodes spend idle."""
     out = {}
     for workload in WORKLOADS:
         med = {t: {k: statistics.median(r[k] for r in runs if r["target"] == t and r["workload"] == workload)
                    for k in (*COMPARED, "cpu_main_us", "repl_out_bytes", "groups_per_s", "window_s")}
                for t in ("one node", "cluster")}
         ratios = {k: round(med["cluster"][k] / med["one node"][k], 3) for k in COMPARED}
-        out[workload] = dict(medians=med, ratios=ratios, within_1_3={k: v <= 1.3 for k, v in ratios.items()})
+        primary = {k: statistics.median(r["policy_primary"][k] for r in runs
+                                        if r["target"] == "cluster" and r["workload"] == workload)
+                   for k in COMPARED}
+        out[workload] = dict(medians=med, ratios=ratios, within_1_3={k: v <= 1.3 for k, v in ratios.items()},
+                             cluster_policy_primary=primary,
+                             policy_primary_ratios={k: round(primary[k] / med["one node"][k], 3)
+                                                    for k in COMPARED})
     shards = {}
     for r in runs:
         if r["target"] == "cluster":
             shards.setdefault(r["port"], {}).setdefault(r["workload"], []).append(r)
     for port, by_workload in shards.items():
         shards[port] = {workload: dict(
-            runs=len(rs), cpu_main_us=statistics.median(r["cpu_main_us"] for r in rs),
-            capacity_groups_per_s=round(1e6 / statistics.median(r["cpu_main_us"] for r in rs)),
+            runs=len(rs), cpu_main_us=statistics.median(r["policy_primary"]["cpu_main_us"] for r in rs),
+            capacity_groups_per_s=round(1e6 / statistics.median(r["policy_primary"]["cpu_main_us"]
+                                                                for r in rs)),
             measured_groups_per_s=statistics.median(r["groups_per_s"] for r in rs),
             busy=statistics.median(r["busy"] for r in rs), idle_cpu_us_per_s=idle[port])
             for workload, rs in by_workload.items()}
@@ -338,7 +360,8 @@ async def vs_one_node(tmp: Path, cluster: ClusterProcesses, repeats: int, groups
                 for workload in WORKLOADS:
                     policy = (policy_on(cluster, node, workload) if target == "cluster"
                               else f"{workload}{uuid.uuid4().hex[:8]}")
-                    runs.append(await measure(target, url, node, policy, workload, groups, tmp))
+                    nodes = [node] if target == "one node" else [node, *(s for s in shards if s is not node)]
+                    runs.append(await measure(target, url, nodes, policy, workload, groups, idle, tmp))
                     r = runs[-1]
                     print(f"{target:8} {workload:8} port {r['port']}: {r['commands']} commands "
                           f"({r['sent']} sent), {r['cpu_us']} us CPU, in {r['net_in_bytes']} B, out "
