@@ -154,12 +154,15 @@ def count_sent() -> None:
     from redis.asyncio.connection import AbstractConnection
 
     pack = AbstractConnection.pack_command
+    if getattr(pack, "counted", False):
+        return
 
     def counted(self, *args):
         name = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
         SENT[(getattr(self, "port", 0), name.lower())] += 1
         return pack(self, *args)
 
+    counted.counted = True
     AbstractConnection.pack_command = counted
 
 
@@ -214,8 +217,8 @@ def policy_on(cluster: ClusterProcesses, node: RedisProcess, prefix: str) -> str
 
 async def serve(url: str, policy: str, groups: int, *, workers: int, prefill: bool,
                 tmp: Path) -> tuple[float, Counter]:
-    """One workload: seconds from the workers' start to the last result taken, and the
-    commands the worker processes sent."""
+    """One workload: seconds from the workers' registration to the last result acknowledged,
+    and the commands the worker processes sent."""
     outs = [tmp / f"{policy}-{i}.json" for i in range(workers)]
     client = RolloutClient(url, policy=policy, trainer_id="bench", max_outstanding=10**7)
     procs = []
