@@ -9,6 +9,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,14 @@ from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, 
                                   SubmitRequest, Submitted, VersionList, result_view, sample_view,
                                   version_view)
 from rollq.gateway.state import GATEWAY, Gateway
-from rollq.protocol import GroupResult, InvalidInput
+from rollq.protocol import GroupResult, VersionEntry
 from rollq.queue import jobs
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
+from rollq.registry.retention import retain
 from rollq.registry.safetensors_check import WeightError
+from rollq.registry.store import WeightStore
 from rollq.registry.versions import Registry, VersionConflict
 from rollq.status import policies, policy_status
 
@@ -205,8 +208,9 @@ async def list_versions(request: web.Request) -> web.Response:
 
 
 PUBLISHING = web.AppKey("publishing", asyncio.Semaphore)
-"""Publishes at once: each holds a thread of the default executor while it hashes, which static
-files and tokenizers need too."""
+"""Publishes at once: each holds a helper process (gateway/files.py) while it checks, copies and
+hashes; more wait their turn without queueing work."""
+MAX_VERSION = 2**62
 
 
 def publishable(gw: Gateway, policy: str, raw: str) -> Path:
@@ -234,17 +238,33 @@ def publishable(gw: Gateway, policy: str, raw: str) -> Path:
 
 
 async def publish_version(request: web.Request) -> web.Response:
+    """The client's publish by path, with the file work in a helper process (gateway/files.py):
+    a hostile header costs that process CPU, never the event loop."""
     gw, policy, who = _context(request)
     body = await read_body(request, PublishRequest)
+    if not 0 <= body.version < MAX_VERSION:
+        raise ApiError(400, f"version={body.version} must be in [0, 2**62)", "version")
+    if body.keep is not None and body.keep < 1:
+        raise ApiError(400, f"keep={body.keep} must be >= 1 (versions kept)", "keep")
     path = publishable(gw, policy, body.path)
+    store = WeightStore(gw.settings.weight_store)
     try:
         async with request.app[PUBLISHING]:
-            entry = await gw.client(policy, who.trainer).publish_weights(
-                body.version, path, copy=body.copy, keep=body.keep)
-    except VersionConflict as e:
-        raise ApiError(409, str(e), "version") from None
-    except (WeightError, InvalidInput) as e:  # the files, named by the message
+            where, files = await gw.files.prepare(store.root, policy, body.version, path, body.copy)
+    except WeightError as e:  # the files, named by the message
         raise ApiError(400, f"{path}: {e}", "path") from None
+    except BrokenProcessPool:
+        raise ApiError(503, "the publish's helper process died (out of memory?); retry") from None
+    entry = VersionEntry(body.version, str(where), files, sum(f.bytes for f in files), time.time(),
+                         who.trainer, body.copy)
+    try:
+        await Registry(gw.redis, Keys(policy)).register(entry)
+    except VersionConflict as e:
+        if body.copy:
+            await asyncio.to_thread(store.delete, where)
+        raise ApiError(409, str(e), "version") from None
+    if body.keep is not None:
+        await retain(gw.redis, Keys(policy), store, body.keep)
     return reply(request, version_view(entry), status=201)
 
 

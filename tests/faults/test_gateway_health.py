@@ -1,6 +1,13 @@
-"""Issue 20, item 4: the gateway's /health keeps answering while a hostile publish makes it parse
-a 16 MiB forged safetensors header (the costliest known: 4,300-digit integers). The gateway is
-its own process; /health is polled over a kept-alive connection every 10 ms throughout."""
+"""Issue 20, item 3 / acceptance 2: the gateway's /health stays under 100 ms while hostile
+publishes make it check a 16 MiB forged safetensors header (the costliest known: 4,300-digit
+integers, ~0.5 s of msgspec decode under the GIL). The gateway is its own process; /health is
+polled over a kept-alive connection every 10 ms throughout.
+
+Bound: p99 < 100 ms and max < 250 ms, not max < 100 ms: on the shared 2-core box one poll now
+and then waits for the scheduler, not for the gateway (measured after the fix, 7 runs: p99
+8-24 ms, max 13-84 ms). Before the header check moved to helper processes (gateway/files.py) it
+ran in a thread of the gateway: p99 461-550 ms, max 563 ms; and starting the helpers on the
+event loop cost one poll 241 ms."""
 
 from __future__ import annotations
 
@@ -71,7 +78,4 @@ async def test_health_answers_during_a_hostile_publish(redis_url, policy, tmp_pa
     print(f"\n/health during 3 hostile publishes ({publishing:.1f} s): {len(times)} polls, "
           f"p50 {percentile(times, 0.5):.1f} ms, p99 {p99:.1f} ms, max {worst:.1f} ms")
     assert len(times) >= 10
-    # Not the 100 ms hoped for: measured p99 461 ms, max 563 ms on the loaded 2-core box. The
-    # header is decoded in a thread (registry/store.py), but msgspec's decode holds the GIL for
-    # the whole 16 MiB, so the event loop waits for it. Under 1 s it stays: the bound that holds.
-    assert worst < 1000
+    assert p99 < 100 and worst < 250
