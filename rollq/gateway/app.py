@@ -148,6 +148,7 @@ def make_app(settings: GatewaySettings, redis=None, tokenizer: Any | None = None
     app[GATEWAY] = Gateway(settings, redis if redis is not None else connect(settings.redis_url), tokenizer)
     app[OPENAPI] = openapi_document(ROUTES)
     app[api.PUBLISHING] = asyncio.Semaphore(MAX_PUBLISHING)
+    app[api.HEAVY_TURN] = asyncio.Lock()
     app[BODY_TIMEOUT] = settings.body_timeout_s
     app[BODY_BUDGET] = BodyBudget(settings.body_bytes_in_flight or 4 * settings.max_body_bytes,
                                   settings.max_body_bytes)
