@@ -39,6 +39,25 @@ def forged_header(size: int = HEADER_CAP) -> bytes:
     return raw + b" " * (size - len(raw))  # padded to the cap, as a header may be
 
 
+def children(pid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 async def poll_health(http: aiohttp.ClientSession, stop: asyncio.Event) -> list[float]:
     times = []
     while not stop.is_set():
@@ -72,8 +91,11 @@ async def test_health_answers_during_a_hostile_publish(redis_url, policy, tmp_pa
             publishing = time.perf_counter() - began
             stop.set()
             times = await poller
+        helpers = children(gateway.pid)  # the header checks' processes (and their resource tracker)
     finally:
         stop_process(gateway)
+    assert helpers, "the publishes ran in no helper process"
+    assert not [pid for pid in helpers if alive(pid)], "helper processes outlived the gateway"
     worst, p99 = max(times), percentile(times, 0.99)
     print(f"\n/health during 3 hostile publishes ({publishing:.1f} s): {len(times)} polls, "
           f"p50 {percentile(times, 0.5):.1f} ms, p99 {p99:.1f} ms, max {worst:.1f} ms")
