@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SMALL_P99_BOUND_S = 20.0
 """`small`'s p99 submit-to-result latency allowed: 2x the worst measured with 16 MiB bodies on the
-shared 2-core box at load 10 (9.8 s; 4.1-6.3 s at load 5-7). Starvation is what it catches."""
+shared 2-core box (4.1-9.8 s over 7 runs at load 5-11). Starvation is what it catches."""
 RSS_PER_BODY_CAP = 48
 """The gateway's peak RSS allowed, in multiples of `--max-body-bytes`: 768 MiB at 16 MiB (measured
 525-592 MiB: idle ~60, four bodies read, one decoded at a time at ~9x its size, one maximal

@@ -3,8 +3,8 @@ here) and reads of maximal results by trainer `hostile`, for 20 s, while trainer
 and reads one-prompt jobs through the same gateway (an instant-engine worker process). Asserted:
 every small job answered, every /health poll a 200, no big submit a 500, and the bounds of
 bench/gateway_soak.py: `small`'s p99 latency (20 s, loose: it catches starvation, the shared
-2-core box runs at load 5-10) and the gateway's peak RSS (768 MiB). Measured over 6 runs at
-load 5-10: `small` 3-11 jobs, p99 4.1-9.8 s; peak RSS 525-592 MiB.
+2-core box runs at load 5-11) and the gateway's peak RSS (768 MiB). Measured over 7 runs at
+load 5-11: `small` 3-11 jobs, p99 4.1-9.8 s; peak RSS 525-592 MiB.
 `python bench/gateway_soak.py` is the long run."""
 
 from __future__ import annotations
