@@ -61,7 +61,7 @@ def _int_query(request: web.Request, name: str, default: int, lo: int, hi: int) 
 
 HEAVY_TURN = web.AppKey("heavy_turn", asyncio.Lock)
 """Taken by a submit of over HEAVY_BYTES from its decode until Redis has its work items. That
-is CPU on the event loop (~0.3 s for 16 MiB of token ids) that no await interrupts; one at a
+is CPU on the event loop (~0.45 s for 16 MiB of token ids) that no await interrupts; one at a
 time, at most one such stretch runs before any other request's turn, instead of one per body
 in flight (issue 20's soak: another trainer's jobs waited seconds behind them)."""
 HEAVY_BYTES = 1024 * 1024
