@@ -7,8 +7,7 @@ Bound: p99 < 100 ms and max < 250 ms, not max < 100 ms: on the shared 2-core box
 and then waits for the scheduler, not for the gateway (measured after the fix, 12 runs at load
 up to 15: p99 9-29 ms, max 12-149 ms). Before the header check moved to helper processes
 (gateway/files.py) it ran in a thread of the gateway: p99 461-550 ms, max 563 ms; and starting
-the helpers on the
-event loop cost one poll 241 ms."""
+the helpers on the event loop cost one poll 241 ms."""
 
 from __future__ import annotations
 
