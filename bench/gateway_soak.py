@@ -8,7 +8,8 @@ its own. For `--seconds`: `--slow` connections that send half a request head and
 large results (n=1024 groups, `count=16`) by trainer `hostile`; meanwhile trainer `small`
 submits one-prompt jobs and reads each result through the gateway (an instant-engine worker
 process answers them). Reports `small`'s p50/p99 submit-to-result latency, the gateway's peak
-RSS and /health's worst latency; writes bench/results/gateway_soak.json. Loopback only.
+RSS and /health's worst latency, and checks the first two against their bounds (below; exit
+status 1 past either); writes bench/results/gateway_soak.json. Loopback only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,25 @@ except ImportError:  # imported by the tests as bench.gateway_soak
     from bench.common import stop_process, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
+
+SMALL_P99_BOUND_S = 20.0
+"""`small`'s p99 submit-to-result latency allowed: 2x the worst measured with 16 MiB bodies on the
+shared 2-core box (4.1-9.8 s over 7 runs at load 5-11). Starvation is what it catches."""
+RSS_PER_BODY_CAP = 48
+"""The gateway's peak RSS allowed, in multiples of `--max-body-bytes`: 768 MiB at 16 MiB (measured
+525-592 MiB: idle ~60, four bodies read, one decoded at a time at ~9x its size, one maximal
+result encoded)."""
+
+
+def bounds(max_body: int) -> dict[str, float]:
+    return {"small_p99_ms": SMALL_P99_BOUND_S * 1000,
+            "gateway_peak_rss_mib": RSS_PER_BODY_CAP * max_body / 2**20}
+
+
+def past_bounds(result: dict, max_body: int) -> list[str]:
+    """The measured values over their bound, as `name value > bound` lines."""
+    return [f"{name} {result[name]:.0f} > {bound:.0f}" for name, bound in bounds(max_body).items()
+            if not result[name] <= bound]
 
 
 def vm_kib(pid: int, field: str = "VmHWM") -> int:
@@ -230,6 +250,7 @@ def run(args: argparse.Namespace) -> dict:
                                       large_groups=args.large_groups, seconds=args.seconds))
             result |= {"gateway_idle_rss_mib": idle / 1024, "max_body_bytes": args.max_body,
                        "gateway_peak_rss_mib": vm_kib(gateway.pid) / 1024}
+            result |= {"bounds": bounds(args.max_body), "past_bounds": past_bounds(result, args.max_body)}
         finally:
             stop_process(gateway)
             stop_process(worker)
@@ -249,6 +270,8 @@ def main() -> None:
     result = run(parser.parse_args())
     print(json.dumps(result, indent=1))
     print(f"wrote {write_result('gateway_soak', result)}")
+    if result["past_bounds"]:
+        sys.exit(f"past the soak's bounds: {'; '.join(result['past_bounds'])}")
 
 
 if __name__ == "__main__":

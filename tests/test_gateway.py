@@ -319,3 +319,24 @@ async def test_dashboard_renders_live_numbers_in_headless_chromium(make_gateway,
     shot = tmp_path / "dashboard.png"
     await _chromium(f"--screenshot={shot}", "--window-size=1400,1000", page)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+async def test_publish_refuses_version_and_keep_out_of_range_before_any_file_work(make_gateway, policy):
+    """Each a 400 naming its field, and nothing registered (keep=0 used to register the version,
+    then fail in retention with a 500)."""
+    from safetensors.torch import save_file
+    import torch
+
+    gw = await make_gateway()
+    d = gw.weight_root / policy / "v1"
+    d.mkdir(parents=True)
+    save_file({"w": torch.ones(4)}, d / "model.safetensors")
+    url = f"/v1/policies/{policy}/versions"
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
+        for body, field in (({"version": 2**62, "path": str(d)}, "version"),
+                            ({"version": -1, "path": str(d)}, "version"),
+                            ({"version": 1, "path": str(d), "keep": 0}, "keep")):
+            async with http.post(url, json=body) as r:
+                assert r.status == 400 and (await r.json())["error"]["field"] == field, await r.text()
+        async with http.get(url) as r:
+            assert (await r.json())["versions"] == []

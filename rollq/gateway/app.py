@@ -24,7 +24,7 @@ from rollq.gateway.http import BODY_BUDGET, BODY_TIMEOUT, ApiError, BodyBudget, 
 from rollq.gateway.openapi import Param, openapi_document
 from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch, SubmitRequest,
                                   Submitted, VersionList, VersionView)
-from rollq.gateway.state import GATEWAY, Gateway, GatewaySettings
+from rollq.gateway.state import GATEWAY, PUBLISH_PROCESSES, Gateway, GatewaySettings
 from rollq.queue.connection import connect
 from rollq.queue.jobs import JobStatus
 from rollq.status import PolicyStatus
@@ -114,8 +114,8 @@ ROUTES = [
 ]
 
 OPENAPI = web.AppKey("openapi", dict)
-MAX_PUBLISHING = 2
-"""Concurrent publishes; more wait their turn without holding a thread."""
+MAX_PUBLISHING = PUBLISH_PROCESSES
+"""Concurrent publishes, one per helper process; more wait their turn."""
 
 
 @web.middleware
@@ -148,6 +148,7 @@ def make_app(settings: GatewaySettings, redis=None, tokenizer: Any | None = None
     app[GATEWAY] = Gateway(settings, redis if redis is not None else connect(settings.redis_url), tokenizer)
     app[OPENAPI] = openapi_document(ROUTES)
     app[api.PUBLISHING] = asyncio.Semaphore(MAX_PUBLISHING)
+    app[api.HEAVY_TURN] = asyncio.Lock()
     app[BODY_TIMEOUT] = settings.body_timeout_s
     app[BODY_BUDGET] = BodyBudget(settings.body_bytes_in_flight or 4 * settings.max_body_bytes,
                                   settings.max_body_bytes)

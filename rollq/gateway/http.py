@@ -101,7 +101,11 @@ async def bounded_bodies(request: web.Request, handler):
 
 async def read_body(request: web.Request, cls: type[T]) -> T:
     """The request body decoded into `cls`; 400 naming the field when it does not fit."""
-    kind = request.content_type
+    return decode_body(request, await body_bytes(request), cls)
+
+
+async def body_bytes(request: web.Request) -> bytes:
+    """The request body's bytes, within the body timeout; 400 if there are none."""
     limit = request.app[BODY_TIMEOUT]
     try:  # a client trickling its body would otherwise hold the connection for good
         async with asyncio.timeout(limit):
@@ -110,6 +114,12 @@ async def read_body(request: web.Request, cls: type[T]) -> T:
         raise ApiError(408, f"the request body took longer than {limit} s to arrive") from None
     if not data:
         raise ApiError(400, "the request has no body; send a JSON object")
+    return data
+
+
+def decode_body(request: web.Request, data: bytes, cls: type[T]) -> T:
+    """`data` decoded into `cls` by the request's Content-Type; 400 naming the field."""
+    kind = request.content_type
     try:
         if kind in _MSGPACK_TYPES:
             return msgspec.msgpack.decode(data, type=cls)

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from rollq.client import RolloutClient
 from rollq.gateway.auth import Tokens
 from rollq.gateway.completions import CompletionRouter, TokenText
+from rollq.gateway.files import FileWorkers
 from rollq.gateway.pool_view import PoolSampler
 from rollq.protocol import InvalidInput, check_id, derived_trainer_id
 from rollq.queue.connection import DEFAULT_URL, check_durability
@@ -100,6 +101,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         return self
 
 
+PUBLISH_PROCESSES = 2
+"""Helper processes for publishes' file work, so at most this many publishes run at once."""
+
+
 class Gateway:
     def __init__(self, settings: GatewaySettings, redis: Redis, tokenizer: Any | None = None):
         self.settings = settings
@@ -117,6 +122,7 @@ class Gateway:
         self.latency = Histogram("rollq_gateway_request_seconds", "HTTP request duration by route.",
                                  ["route"], registry=self.metrics)
         self._sampling: asyncio.Task | None = None
+        self.files = FileWorkers(PUBLISH_PROCESSES)
 
     def client(self, policy: str, trainer: str) -> RolloutClient:
         key = (policy, trainer)
@@ -174,6 +180,7 @@ class Gateway:
             _, stuck = await asyncio.wait(tasks, timeout=5.0)
             for task in stuck:
                 log.warning("gateway task %s did not stop", task.get_name())
+        self.files.close()
         await self.redis.aclose()
 
 
