@@ -183,6 +183,9 @@ CASES = {
     "continue-final": dict(messages=[USER, {"role": "assistant", "content": "w40 w41"}],
                            add_generation_prompt=False, continue_final_message=True, max_completion_tokens=6),
     "own-template": dict(chat_template="{% for m in messages %}{{ m.content }} {% endfor %}"),
+    # Without return_token_ids vLLM still has the keys, null: the JSON must say so too.
+    "no-token-ids": dict(return_token_ids=False, logprobs=True, top_logprobs=2),
+    "no-token-ids-tools": dict(return_token_ids=False, tools=TOOLS, tool_choice="none"),
 }
 IGNORED = {"id", "created", "model", "system_fingerprint"}  # present on both sides; values are the server's
 EXTENSIONS = {"policy_versions"}
