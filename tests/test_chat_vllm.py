@@ -132,10 +132,14 @@ async def test_rendering_errors_fail_their_group_and_the_worker_goes_on(make_cli
             await client.submit_chat([[USER]], 1, {"max_tokens": 4},
                                      chat_template="{{ raise_exception('w9 broke') }}"),
             await client.submit_chat([[USER]], 1, {"max_tokens": 300}),  # more than a 256-token context
+            await client.submit_chat([[USER]], 1, {"max_tokens": 4},
+                                     tools=[TOOLS[0], {"type": "function", "function": {
+                                         "name": "w9", "parameters": "not a schema"}}]),
             await client.submit_chat([[USER]], 1, {"max_tokens": 4})]
-    by_job = {r.job_id: r for r in await client.take(4, timeout_s=120)}
-    unknown_role, raising, too_long, fine = (by_job[j] for j in jobs)
-    assert [r.status for r in (unknown_role, raising, too_long)] == ["failed"] * 3
+    by_job = {r.job_id: r for r in await client.take(5, timeout_s=120)}
+    unknown_role, raising, too_long, bad_tool, fine = (by_job[j] for j in jobs)
+    assert [r.status for r in (unknown_role, raising, too_long, bad_tool)] == ["failed"] * 4
+    assert bad_tool.reason == "invalid chat: tools[1].function.parameters: must be an object (a JSON schema)"
     assert unknown_role.reason == "cannot render the chat: VLLMValidationError: unknown role: wizard"
     assert raising.reason.endswith("w9 broke")
     assert "max_completion_tokens=300 cannot be greater than max_model_len=256" in too_long.reason
