@@ -316,3 +316,36 @@ async def test_a_worker_whose_model_has_no_tokenizer_fails_chats_and_stop_string
     assert by_job[chat].status == "failed" and "no tokenizer" in by_job[chat].reason
     assert by_job[stop].status == "failed" and "no tokenizer" in by_job[stop].reason
     assert by_job[tokens].status == "ok"
+
+
+async def test_a_model_without_a_chat_template_fails_chats_and_the_worker_goes_on(make_client, make_worker,
+                                                                                 tmp_path):
+    import json
+
+    from conftest import engine_flags
+
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    model = make_chat_model(tmp_path / "m")
+    (model / "chat_template.jinja").unlink(missing_ok=True)  # where transformers saves it, or:
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(model)).validate())
+    try:
+        worker, task = make_worker(engine=engine)
+        client = make_client()
+        chat = await client.submit_chat([[USER]], 1, {"max_tokens": 4})
+        [failed] = await client.take(1, timeout_s=120)
+        text = await client.submit([[1, 5, 6]], 1, {"max_tokens": 4, "temperature": 0, "stop": ["w999"]})
+        [fine] = await client.take(1, timeout_s=120)
+        assert not task.done()
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+        await engine.close()
+    assert failed.job_id == chat and failed.status == "failed", failed
+    assert failed.reason.startswith("cannot render the chat: ") and "chat template" in failed.reason, \
+        failed.reason
+    assert fine.job_id == text and fine.status == "ok" and len(fine.samples[0].token_ids) == 4
