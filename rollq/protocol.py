@@ -159,6 +159,9 @@ class Sampling(msgspec.Struct, **_WIRE):
     prompt_logprobs: int | None = None
     """Score the prompt: each prompt token's logprob and the top N at each position
     (`GroupResult.prompt_scores`); None: not computed."""
+    text_if_tokenizer: bool = False
+    """As `return_text` where the worker's model has a tokenizer; a worker without one returns no
+    text instead of failing the group (the gateway's completions: text is optional there)."""
 
 
 class Chat(msgspec.Struct, **_WIRE):
@@ -239,6 +242,8 @@ class Sample(msgspec.Struct, **_WIRE):
     """With text and logprobs: the engine's string of each sampled token..."""
     top_texts: list[str] = []
     """...and of each top-N entry, parallel to `top_ids`."""
+    token_ranks: bytes = b""
+    """int32 rank of each token among all (1 is the best); filled for prompt scores only."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -71,6 +71,24 @@ async def test_a_worker_without_a_tokenizer_fails_the_group():
         await ChatRenderer(None, has_tokenizer=False).render(Chat(HELLO), 8)
 
 
+MALFORMED_TOOLS = [
+    ([{"type": "function"}], "tools[0].function"),
+    ([{"type": "function", "function": {"name": "w1", "parameters": "w2"}}], "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "w1"}}, {"function": {"parameters": {}}}],
+     "tools[1].function.name"),
+    ([{"type": "retrieval", "function": {"name": "w1"}}], "tools[0].type"),
+    (["w1"], "tools[0]"),
+]
+
+
+@pytest.mark.parametrize("tools, field", MALFORMED_TOOLS)
+async def test_a_malformed_tool_fails_its_group_naming_the_field(tools, field):
+    # Checked before vLLM is touched: the renderer needs no engine to refuse it.
+    with pytest.raises(GroupError) as bad:
+        await ChatRenderer(None, has_tokenizer=True).render(Chat(HELLO, tools=tools), 8)
+    assert str(bad.value).startswith(f"invalid chat: {field}: ")
+
+
 @pytest.mark.parametrize("body, field", [
     ({"stream": True}, "stream"),
     ({"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
@@ -84,6 +102,7 @@ async def test_a_worker_without_a_tokenizer_fails_the_group():
     ({"stop": ["w1"] * 65}, "sampling.stop"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "chat_template"),
+    *(({"tools": tools}, field) for tools, field in MALFORMED_TOOLS),
 ])
 async def test_gateway_refuses_what_it_does_not_support_naming_the_field(make_gateway, policy, body, field):
     gw = await make_gateway()

@@ -132,10 +132,14 @@ async def test_rendering_errors_fail_their_group_and_the_worker_goes_on(make_cli
             await client.submit_chat([[USER]], 1, {"max_tokens": 4},
                                      chat_template="{{ raise_exception('w9 broke') }}"),
             await client.submit_chat([[USER]], 1, {"max_tokens": 300}),  # more than a 256-token context
+            await client.submit_chat([[USER]], 1, {"max_tokens": 4},
+                                     tools=[TOOLS[0], {"type": "function", "function": {
+                                         "name": "w9", "parameters": "not a schema"}}]),
             await client.submit_chat([[USER]], 1, {"max_tokens": 4})]
-    by_job = {r.job_id: r for r in await client.take(4, timeout_s=120)}
-    unknown_role, raising, too_long, fine = (by_job[j] for j in jobs)
-    assert [r.status for r in (unknown_role, raising, too_long)] == ["failed"] * 3
+    by_job = {r.job_id: r for r in await client.take(5, timeout_s=120)}
+    unknown_role, raising, too_long, bad_tool, fine = (by_job[j] for j in jobs)
+    assert [r.status for r in (unknown_role, raising, too_long, bad_tool)] == ["failed"] * 4
+    assert bad_tool.reason == "invalid chat: tools[1].function.parameters: must be an object (a JSON schema)"
     assert unknown_role.reason == "cannot render the chat: VLLMValidationError: unknown role: wizard"
     assert raising.reason.endswith("w9 broke")
     assert "max_completion_tokens=300 cannot be greater than max_model_len=256" in too_long.reason
@@ -183,6 +187,9 @@ CASES = {
     "continue-final": dict(messages=[USER, {"role": "assistant", "content": "w40 w41"}],
                            add_generation_prompt=False, continue_final_message=True, max_completion_tokens=6),
     "own-template": dict(chat_template="{% for m in messages %}{{ m.content }} {% endfor %}"),
+    # Without return_token_ids vLLM still has the keys, null: the JSON must say so too.
+    "no-token-ids": dict(return_token_ids=False, logprobs=True, top_logprobs=2),
+    "no-token-ids-tools": dict(return_token_ids=False, tools=TOOLS, tool_choice="none"),
 }
 IGNORED = {"id", "created", "model", "system_fingerprint"}  # present on both sides; values are the server's
 EXTENSIONS = {"policy_versions"}
@@ -247,60 +254,55 @@ async def test_the_openai_client_chats_unchanged(make_gateway, chat_worker, vllm
     assert mine.usage == vllms.usage
 
 
-async def test_completions_stop_strings_equal_vllms_own_server(make_gateway, chat_worker, vllm_server,
-                                                              policy):
-    gw = await make_gateway()
-    theirs_url = await vllm_server.ready()
-    request = dict(prompt=[1, 4, 20, 21, 7, 5], max_tokens=12, temperature=0, return_token_ids=True)
-    async with aiohttp.ClientSession() as http:
-        async def both(body: dict) -> tuple[dict, dict]:
-            async with http.post(f"{theirs_url}/v1/completions", json=body | {"model": "tiny"}) as r:
-                theirs = await r.json()
-            async with http.post(f"{gw.url}/v1/completions", json=body | {"model": policy},
-                                 headers=gw.headers()) as r:
-                ours = await r.json()
-                assert r.status == 200, ours
-            return ours["choices"][0], theirs["choices"][0]
-
-        _, plain = await both(request)
-        stop = plain["text"].split()[6]
-        ours, theirs = await both(request | {"stop": [stop]})
-    assert theirs["finish_reason"] == "stop" and theirs["stop_reason"] == stop
-    for key in ("text", "finish_reason", "stop_reason", "token_ids"):
-        assert ours[key] == theirs[key], key
+COMPLETION_BASE = dict(prompt=[1, 4, 20, 21, 7, 5], max_tokens=12, temperature=0)
+COMPLETION_CASES = {
+    "plain": {},
+    "logprobs-0": dict(logprobs=0),
+    "logprobs-3": dict(logprobs=3),
+    "n3-seeded": dict(n=3, temperature=1.0, seed=11, max_tokens=8, logprobs=2),
+    "return-token-ids": dict(return_token_ids=True, logprobs=1),
+    "as-token-ids": dict(logprobs=2, return_tokens_as_token_ids=True),
+    "echo-logprobs": dict(echo=True, logprobs=2, max_tokens=6),
+    # vLLM's quirk, kept: with return_token_ids the echoed text is the completion's only.
+    "echo-token-ids": dict(echo=True, logprobs=1, return_token_ids=True, max_tokens=6),
+    "echo-text-prompt": dict(prompt="w20 w21 w7 w5", echo=True, max_tokens=6),
+    "prompt-logprobs": dict(prompt_logprobs=3, max_tokens=6),
+    "prompt-logprobs-0": dict(prompt_logprobs=0, logprobs=1, max_tokens=6),
+    "two-prompts": dict(prompt=[[1, 4, 20], [1, 30, 31, 32]], n=2, temperature=1.0, seed=5, max_tokens=5,
+                        logprobs=1),
+}
 
 
-async def test_completions_echo_and_prompt_logprobs_equal_vllms_own_server(make_gateway, chat_worker,
-                                                                           vllm_server, chat_model, policy):
+async def test_completions_equal_vllms_own_server(make_gateway, chat_worker, vllm_server, chat_model,
+                                                  policy):
+    """The whole JSON of /v1/completions, with and without a tokenizer at the gateway: the
+    worker's model has one, so text and token strings are vLLM's own decoding either way."""
     from rollq.gateway.app import load_tokenizer
 
-    gw = await make_gateway(tokenizer=load_tokenizer(str(chat_model)))  # names tokens as vLLM does
+    gateways = {"no tokenizer": await make_gateway(),
+                "tokenizer": await make_gateway(tokenizer=load_tokenizer(str(chat_model)))}
     theirs_url = await vllm_server.ready()
-    base = dict(prompt=[1, 4, 20, 21, 7, 5], max_tokens=6, temperature=0)
     async with aiohttp.ClientSession() as http:
-        for case in (dict(echo=True, logprobs=2), dict(prompt_logprobs=3),
-                     dict(prompt_logprobs=0, logprobs=1)):
-            async with http.post(f"{theirs_url}/v1/completions", json=base | case | {"model": "tiny"}) as r:
-                [theirs] = (await r.json())["choices"]
-            async with http.post(f"{gw.url}/v1/completions", json=base | case | {"model": policy},
-                                 headers=gw.headers()) as r:
-                [ours] = (await r.json())["choices"]
-                assert r.status == 200, ours
-            # Known differences: the gateway decodes completion text itself (vLLM's incremental
-            # decoding adds a leading space here), and ranks travel only for the top N.
-            assert ours["text"].split() == theirs["text"].split()
-            for position, expected in zip(ours["prompt_logprobs"] or [], theirs["prompt_logprobs"] or []):
-                for token, entry in (position or {}).items():
-                    if entry["rank"] is None:
-                        entry["rank"] = expected[token]["rank"]
-                        assert expected[token]["rank"] > case["prompt_logprobs" if "prompt_logprobs" in case
-                                                           else "logprobs"]
-            try:
-                assert_same({k: ours[k] for k in ("logprobs", "prompt_logprobs")},
-                            {k: theirs[k] for k in ("logprobs", "prompt_logprobs")})
-            except AssertionError as e:
-                raise AssertionError(f"case {case}: {e}\nvLLM: {theirs}\nrollq: {ours}"[:6000]) from None
-    assert len(theirs["prompt_logprobs"]) == 6 and theirs["prompt_logprobs"][0] is None
+        async def post(url: str, body: dict, headers: dict | None = None) -> dict:
+            async with http.post(f"{url}/v1/completions", json=body, headers=headers) as r:
+                data = await r.json()
+                assert r.status == 200, data
+                return data
+
+        plain = await post(theirs_url, COMPLETION_BASE | {"model": "tiny"})
+        words = plain["choices"][0]["text"].split()
+        cases = COMPLETION_CASES | {"stop": dict(stop=[words[6], "w999"], logprobs=1)}
+        for name, case in cases.items():
+            theirs = await post(theirs_url, COMPLETION_BASE | case | {"model": "tiny"})
+            for which, gw in gateways.items():
+                ours = await post(gw.url, COMPLETION_BASE | case | {"model": policy}, gw.headers())
+                try:
+                    assert_same(ours, theirs)
+                except AssertionError as e:
+                    raise AssertionError(f"case {name}, gateway with {which}: {e}\nvLLM: {theirs}\n"
+                                         f"rollq: {ours}"[:6000]) from None
+    assert plain["choices"][0]["text"].startswith(" ")  # vLLM's incremental decoding, kept
+    assert theirs["choices"][0]["finish_reason"] == "stop" and theirs["choices"][0]["stop_reason"] == words[6]
 
 
 async def test_a_worker_whose_model_has_no_tokenizer_fails_chats_and_stop_strings(make_client,
@@ -314,3 +316,36 @@ async def test_a_worker_whose_model_has_no_tokenizer_fails_chats_and_stop_string
     assert by_job[chat].status == "failed" and "no tokenizer" in by_job[chat].reason
     assert by_job[stop].status == "failed" and "no tokenizer" in by_job[stop].reason
     assert by_job[tokens].status == "ok"
+
+
+async def test_a_model_without_a_chat_template_fails_chats_and_the_worker_goes_on(make_client, make_worker,
+                                                                                 tmp_path):
+    import json
+
+    from conftest import engine_flags
+
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    model = make_chat_model(tmp_path / "m")
+    (model / "chat_template.jinja").unlink(missing_ok=True)  # where transformers saves it, or:
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(model)).validate())
+    try:
+        worker, task = make_worker(engine=engine)
+        client = make_client()
+        chat = await client.submit_chat([[USER]], 1, {"max_tokens": 4})
+        [failed] = await client.take(1, timeout_s=120)
+        text = await client.submit([[1, 5, 6]], 1, {"max_tokens": 4, "temperature": 0, "stop": ["w999"]})
+        [fine] = await client.take(1, timeout_s=120)
+        assert not task.done()
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+        await engine.close()
+    assert failed.job_id == chat and failed.status == "failed", failed
+    assert failed.reason.startswith("cannot render the chat: ") and "chat template" in failed.reason, \
+        failed.reason
+    assert fine.job_id == text and fine.status == "ok" and len(fine.samples[0].token_ids) == 4

@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 from rollq.engine.base import GroupError
-from rollq.protocol import Chat
+from rollq.protocol import Chat, InvalidInput
 
 
 class ChatRenderer:
@@ -44,6 +44,10 @@ class ChatRenderer:
             raise GroupError("chat prompt, but this worker's model has no tokenizer (its directory "
                              "needs tokenizer files and a chat template)")
         try:
+            check_tools(chat.tools)
+        except InvalidInput as e:
+            raise GroupError(f"invalid chat: {e}") from None
+        try:
             request = _vllm_request(chat, max_tokens)
             rendered = await self._renderer().render_chat(request)
         except asyncio.CancelledError:
@@ -54,6 +58,31 @@ class ChatRenderer:
             raise GroupError(f"cannot render the chat: {rendered.error.message}")
         _, (engine_input,) = rendered
         return engine_input
+
+
+def check_tools(tools: Any, field: str = "tools") -> None:
+    """The tool shape vLLM's server accepts (`ChatCompletionToolsParam`), checked before anything
+    renders: a malformed tool is an error naming it, not a template's KeyError or pydantic's list."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise InvalidInput(field, "must be a list of tools")
+    for i, tool in enumerate(tools):
+        at = f"{field}[{i}]"
+        if not isinstance(tool, dict):
+            raise InvalidInput(at, 'must be an object: {"type": "function", "function": {"name": ...}}')
+        if tool.get("type", "function") != "function":
+            raise InvalidInput(f"{at}.type", f'is {tool["type"]!r}; only "function" tools exist')
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise InvalidInput(f"{at}.function", "is required: an object with `name` and optional "
+                                                 "`description` and `parameters`")
+        if not isinstance(function.get("name"), str):
+            raise InvalidInput(f"{at}.function.name", "is required: a string")
+        if not isinstance(function.get("description", ""), (str, type(None))):
+            raise InvalidInput(f"{at}.function.description", "must be a string")
+        if not isinstance(function.get("parameters", {}), (dict, type(None))):
+            raise InvalidInput(f"{at}.function.parameters", "must be an object (a JSON schema)")
 
 
 def _vllm_request(chat: Chat, max_tokens: int) -> Any:

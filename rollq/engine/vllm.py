@@ -96,21 +96,31 @@ def _ranked(entries: dict, token: int, top_n: int) -> list[tuple[int, float]]:
     return best
 
 
-def _prompt_scores(output: Any, top_n: int | None) -> Sample | None:
-    """vLLM's prompt logprobs (None at position 0, then a dict per position) -> a scored Sample."""
+def _prompt_scores(output: Any, top_n: int | None, tokenizer: Any | None) -> Sample | None:
+    """vLLM's prompt logprobs (None at position 0, then a dict per position) -> a scored Sample;
+    with `tokenizer` (text asked for) also the strings vLLM's server shows for them."""
     if top_n is None or output.prompt_logprobs is None:
         return None
     ids = list(output.prompt_token_ids)
     logprobs, counts, top_ids, top_values = [], bytearray(), array.array("i"), array.array("f")
+    ranks, token_texts, top_texts = array.array("i"), [], []
     for token, entries in zip(ids, output.prompt_logprobs):
         ranked = _ranked(entries, token, top_n) if entries and top_n else []
         logprobs.append(entries[token].logprob if entries else math.nan)
+        ranks.append(entries[token].rank if entries else 0)
         counts.append(len(ranked))
         top_ids.extend(t for t, _ in ranked)
         top_values.extend(v for _, v in ranked)
+        if tokenizer is not None:
+            # Position 0 has no entry: vLLM's server names it with tokenizer.decode, as here.
+            token_texts.append(entries[token].decoded_token if entries else tokenizer.decode([token]))
+            top_texts += [entries[t].decoded_token for t, _ in ranked]
     return Sample(tokens=pack_tokens(ids), logprobs=pack_floats(logprobs), finish_reason="prompt",
                   top_counts=bytes(counts) if top_n else b"", top_ids=pack_tokens(top_ids),
-                  top_logprobs=pack_floats(top_values))
+                  top_logprobs=pack_floats(top_values), token_ranks=pack_tokens(ranks),
+                  # The prompt's text as vLLM's server decodes it for `echo`.
+                  text=tokenizer.decode(ids) if tokenizer is not None else "",
+                  token_texts=token_texts, top_texts=top_texts)
 
 
 class VLLMEngine:
@@ -186,6 +196,9 @@ class VLLMEngine:
         return self.llm.vllm_config.scheduler_config.max_num_seqs
 
     async def generate_group(self, item: WorkItem) -> Generated:
+        if item.sampling.text_if_tokenizer and not self.has_tokenizer:  # then no text, not a failure
+            item = msgspec.structs.replace(item, sampling=msgspec.structs.replace(
+                item.sampling, text_if_tokenizer=False))
         params = sampling_params(item.sampling, item.n)
         if (item.sampling.return_text or item.sampling.stop) and not self.has_tokenizer:
             raise GroupError("text or stop strings asked for, but this worker's model has no tokenizer")
@@ -214,7 +227,8 @@ class VLLMEngine:
             for i, (completion, v, _) in zip(cut, outputs):
                 states[i].extend(completion, v, item.sampling.logprobs)
         return Generated([st.to_sample(version) for st in states], pack_tokens(prompt_ids),
-                         _prompt_scores(final, item.sampling.prompt_logprobs))
+                         _prompt_scores(final, item.sampling.prompt_logprobs,
+                                        self.llm.tokenizer if params.detokenize else None))
 
     def _checked(self, ids: list[int]) -> list[int]:
         """vLLM does not check ids against the model without a tokenizer: one id outside the
@@ -373,7 +387,8 @@ def sampling_params(s: Sampling, n: int):
             structured_outputs=StructuredOutputsParams(regex=s.regex) if s.regex else None,
             stop=list(s.stop) or None, prompt_logprobs=s.prompt_logprobs,
             # Decoding costs CPU per token: only when text or stop strings need it.
-            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(s.return_text or s.stop),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            detokenize=bool(s.return_text or s.stop or s.text_if_tokenizer),
             **s.extra,
         )
     except (VLLMClientError, ValueError, TypeError) as e:

@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from rollq import __version__
+from rollq.engine.chat import check_tools
 from rollq.gateway.api import run_job
 from rollq.gateway.auth import allowed
 from rollq.gateway.http import JSON, ApiError, read_body
@@ -100,6 +101,7 @@ async def chat_completions(request: web.Request) -> web.Response:
     req = await read_body(request, ChatCompletionRequest)
     policy = allowed(who, req.model)
     sampling = sampling_of(req)
+    check_tools(req.tools)  # the workers check too; here it is a 400 before anything is queued
     if not gw.settings.trust_request_chat_template and (
             req.chat_template is not None or "chat_template" in (req.chat_template_kwargs or {})):
         # As vLLM's server: a caller's template would run on every worker that renders it.

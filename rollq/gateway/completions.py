@@ -20,8 +20,9 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rollq import __version__
 from rollq.gateway.http import ApiError
-from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling
+from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling, unpack_floats, unpack_tokens
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
@@ -108,8 +109,11 @@ def sampling_of(req: CompletionRequest) -> Sampling:
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo:  # as vLLM: echoed logprobs cover the prompt too
         prompt_logprobs = req.logprobs
+    # A worker whose model has a tokenizer decodes (vLLM's own text and token strings, as its
+    # server gives them); one without serves token ids and the text is the gateway's.
     return Sampling(**{k: v for k, v in given.items() if v is not None}, logprobs=req.logprobs or 0,
-                    regex=regex, extra=extra, stop=stop, prompt_logprobs=prompt_logprobs)
+                    regex=regex, extra=extra, stop=stop, prompt_logprobs=prompt_logprobs,
+                    text_if_tokenizer=True)
 
 
 class Waiter:
@@ -177,18 +181,40 @@ class CompletionRouter:
 
 
 class TokenText:
-    """Token ids → text, with the gateway's tokenizer if it has one."""
+    """Token ids → text with the gateway's tokenizer, where the worker decoded none."""
 
     def __init__(self, tokenizer: Any | None):
         self.tokenizer = tokenizer
 
     def text(self, ids: list[int]) -> str:
+        """A prompt's text, as vLLM's server decodes one for `echo`."""
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    def token(self, token_id: int, as_id: bool) -> str:
-        if as_id or self.tokenizer is None:
+    def completion(self, ids: list[int]) -> str:
+        """A completion's text, as vLLM's detokenizer (special tokens skipped)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def token(self, token_id: int, as_id: bool, given: str | None = None) -> str:
+        """`given`: the worker's string for it (vLLM's own decoding)."""
+        if as_id or (given is None and self.tokenizer is None):
             return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
+        return given if given is not None else self.tokenizer.decode([token_id])
+
+
+def _positions(scored: Sample) -> list[list[tuple[int, float, str | None]]]:
+    """Per position: (token id, logprob, the worker's string or None), best rank first; without
+    top-N entries, the sampled token alone."""
+    if scored.top_counts:
+        ids, values = unpack_tokens(scored.top_ids), unpack_floats(scored.top_logprobs)
+        texts, counts = scored.top_texts, scored.top_counts
+    else:
+        ids, values, texts = scored.token_ids, scored.token_logprobs, scored.token_texts
+        counts = bytes([1] * len(ids))
+    out, at = [], 0
+    for count in counts:
+        out.append([(ids[i], values[i], texts[i] if i < len(texts) else None) for i in range(at, at + count)])
+        at += count
+    return out
 
 
 def _logprobs(sample: Sample, words: TokenText, as_ids: bool, echoed: Sample | None = None) -> dict:
@@ -196,12 +222,12 @@ def _logprobs(sample: Sample, words: TokenText, as_ids: bool, echoed: Sample | N
     the first one without a logprob, as vLLM's `echo`."""
     tokens, values, top = [], [], []
     for scored in (echoed, sample) if echoed is not None else (sample,):
-        ids, logprobs = scored.token_ids, scored.token_logprobs
-        tokens += [words.token(t, as_ids) for t in ids]
-        values += [None if math.isnan(v) else v for v in logprobs]
-        ranked = scored.top() if scored.top_counts else [[(t, v)] for t, v in zip(ids, logprobs)]
-        top += [{words.token(t, as_ids): v for t, v in position} if position else None
-                for position in ranked]
+        names = scored.token_texts
+        for i, (t, v) in enumerate(zip(scored.token_ids, scored.token_logprobs)):
+            tokens.append(words.token(t, as_ids, names[i] if i < len(names) else None))
+            values.append(None if math.isnan(v) else max(v, -9999.0))
+        top += [{words.token(t, as_ids, name): max(v, -9999.0) for t, v, name in position}
+                if position else None for position in _positions(scored)]
     if echoed is not None:
         top[0] = None
     offsets, at = [], 0
@@ -213,17 +239,18 @@ def _logprobs(sample: Sample, words: TokenText, as_ids: bool, echoed: Sample | N
 
 def _prompt_logprobs(scored: Sample | None, top_n: int, words: TokenText) -> list | None:
     """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank,
-    decoded_token}} per position. Ranks travel for the top N only: a prompt token outside them
-    has rank None here (vLLM gives its rank)."""
+    decoded_token}} per position (the prompt token's own rank from the worker, when outside the
+    top N; None from a worker that predates `token_ranks`)."""
     if scored is None:
         return None
-    ids, values = scored.token_ids, scored.token_logprobs
-    ranked = scored.top() if scored.top_counts else [[(t, v)] for t, v in zip(ids, values)]
+    ranks = unpack_tokens(scored.token_ranks) if scored.token_ranks else []
     out: list = [None]
-    for position in ranked[1:]:
-        out.append({str(t): dict(logprob=max(v, -9999.0), rank=rank + 1 if rank < top_n else None,
-                                 decoded_token=words.token(t, False) if words.tokenizer else None)
-                    for rank, (t, v) in enumerate(position)})
+    for i, position in enumerate(_positions(scored)[1:], start=1):
+        out.append({str(t): dict(logprob=max(v, -9999.0),
+                                 rank=r + 1 if r < top_n else ranks[i] if ranks else None,
+                                 decoded_token=name if name is not None
+                                 else words.token(t, False) if words.tokenizer else None)
+                    for r, (t, v, name) in enumerate(position)})
     return out
 
 
@@ -240,33 +267,39 @@ def response(req: CompletionRequest, job_id: str, results: list[GroupResult], pr
         for j, sample in enumerate(r.samples):
             ids = sample.token_ids
             completion_tokens += len(ids)
-            text = _text(req, sample, original, prompt_ids, words)
+            text = _text(req, sample, original, prompt_ids, r.prompt_scores, words)
             echoed = r.prompt_scores if req.echo else None
             choice = dict(index=r.group_index * req.n + j, text=text,
                           logprobs=_logprobs(sample, words, req.return_tokens_as_token_ids, echoed)
                           if req.logprobs is not None else None,
                           prompt_logprobs=_prompt_logprobs(r.prompt_scores, sampling_top(req), words),
                           finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                          prompt_token_ids=prompt_ids if req.return_token_ids else None,
+                          token_ids=ids if req.return_token_ids else None, routed_experts=None,
                           policy_versions=[list(v) for v in sample.versions])
-            if req.return_token_ids:
-                choice.update(prompt_token_ids=prompt_ids, token_ids=ids)
             choices.append(choice)
+    # The keys of vLLM's CompletionResponse, its unused ones null as there.
+    usage = dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=None,
+                 completion_tokens_details=None)
     return dict(id=job_id, object="text_completion", created=int(time.time()), model=req.model,
-                choices=choices, usage=dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                            total_tokens=prompt_tokens + completion_tokens))
+                choices=choices, service_tier=None, system_fingerprint=f"rollq-{__version__}", usage=usage,
+                kv_transfer_params=None, ec_transfer_params=None, metrics=None)
 
 
 def _text(req: CompletionRequest, sample: Sample, original: Any, prompt_ids: list[int],
-          words: TokenText) -> str:
-    # With stop strings the worker decoded the text, which ends before the stop string.
-    text = sample.text if req.stop else words.text(sample.token_ids)
-    if not req.echo:
+          scored: Sample | None, words: TokenText) -> str:
+    # The worker's text where it decoded (always with stop strings: it ends before the stop
+    # string), else the gateway's own decoding, if it has a tokenizer.
+    decoded = bool(sample.text or sample.token_texts or req.stop)
+    text = sample.text if decoded else words.completion(sample.token_ids)
+    if not req.echo or req.return_token_ids:  # vLLM echoes no prompt text with return_token_ids
         return text
     if isinstance(original, str):
         return original + text
-    if req.stop:
-        return words.text(prompt_ids) + text
-    return words.text(prompt_ids + sample.token_ids)  # in one piece: a tokenizer may join them with a space
+    if scored is not None and scored.text:  # the worker decoded the prompt, as vLLM's server does
+        return scored.text + text
+    return words.text(prompt_ids) + text
 
 
 def sampling_top(req: CompletionRequest) -> int:
