@@ -50,10 +50,10 @@ from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
-from rollq.registry.retention import retain
+from rollq.registry.commit import commit_version
 from rollq.registry.sources import tensors_of
 from rollq.registry.store import WeightStore, digest_dir
-from rollq.registry.versions import Registry, VersionConflict
+from rollq.registry.versions import Registry
 
 
 Prompt = Sequence[int] | str
@@ -514,14 +514,7 @@ class RolloutClient:
         path, files, owned = await asyncio.to_thread(self._write_weights, store, version, source, copy)
         entry = VersionEntry(version, str(path), files, sum(f.bytes for f in files), time.time(),
                              self.trainer_id, owned)
-        try:
-            await self.registry.register(entry)
-        except VersionConflict:
-            if owned:
-                await asyncio.to_thread(store.delete, path)
-            raise
-        if keep is not None:
-            await retain(self.redis, self.keys, store, keep)
+        await commit_version(self.redis, self.keys, store, entry, keep, self.registry)
         return entry
 
     def _write_weights(self, store: WeightStore, version: int, source: Any, copy: bool):

@@ -31,7 +31,7 @@ from rollq.queue import jobs
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
-from rollq.registry.retention import retain
+from rollq.registry.commit import commit_version
 from rollq.registry.safetensors_check import WeightError
 from rollq.registry.store import WeightStore
 from rollq.registry.versions import Registry, VersionConflict
@@ -279,13 +279,9 @@ async def publish_version(request: web.Request) -> web.Response:
     entry = VersionEntry(body.version, str(where), files, sum(f.bytes for f in files), time.time(),
                          who.trainer, body.copy)
     try:
-        await Registry(gw.redis, Keys(policy)).register(entry)
+        await commit_version(gw.redis, Keys(policy), store, entry, body.keep)
     except VersionConflict as e:
-        if body.copy:
-            await asyncio.to_thread(store.delete, where)
         raise ApiError(409, str(e), "version") from None
-    if body.keep is not None:
-        await retain(gw.redis, Keys(policy), store, body.keep)
     return reply(request, version_view(entry), status=201)
 
 
