@@ -13,7 +13,7 @@ import math
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -46,11 +46,14 @@ class _SampleState:
         self.token_texts: list[str] = []
         self.top_texts: list[str] = []
 
-    def extend(self, completion: Any, version: int, top_n: int) -> None:
-        """Append a request's output; `version`: the engine's version when it was sent."""
+    def extend(self, completion: Any, version: int, top_n: int, adapter: int | None = None) -> None:
+        """Append a request's output; `version`: the engine's version when it was sent;
+        `adapter`: the adapter version that served the whole request, if one did."""
         tokens = list(completion.token_ids)
-        # vLLM labels each span of output tokens with the weight version that sampled it.
-        spans = getattr(completion, "weight_versions", None) or [_Span(str(version), 0, len(tokens))]
+        # vLLM labels each span of output tokens with the weight version that sampled it (its
+        # base weights': an adapter request is labelled here, by the adapter that served it).
+        spans = None if adapter is not None else getattr(completion, "weight_versions", None)
+        spans = spans or [_Span(str(version if adapter is None else adapter), 0, len(tokens))]
         for span in spans:
             if span.end > span.start and (not self.versions or self.versions[-1][0] != int(span.version)):
                 self.versions.append((int(span.version), len(self.tokens) + span.start))
@@ -85,6 +88,24 @@ class _Span(msgspec.Struct):
     version: str
     start: int
     end: int
+
+
+class Adapter(NamedTuple):
+    """An adapter version as the engine serves it: a LoRA on its full version `base`."""
+
+    version: int
+    base: int
+    path: str
+    """A verified private snapshot (adapter_config.json + adapter_model.safetensors)."""
+
+    def request(self, *, replace: bool = False):
+        """`replace`: load it even if vLLM holds an adapter of this id (an engine reused by
+        another registry, as tests do), else vLLM keeps the one it has."""
+        from vllm.lora.request import LoRARequest
+
+        # The version is the adapter's id in vLLM: unique per policy, and >= 1 (adapters are
+        # above their base, which is >= 0), as vLLM requires.
+        return LoRARequest(f"v{self.version}", self.version, self.path, load_inplace=replace)
 
 
 def _ranked(entries: dict, token: int, top_n: int) -> list[tuple[int, float]]:
@@ -185,7 +206,32 @@ class VLLMEngine:
     def max_num_seqs(self) -> int:
         return self.llm.vllm_config.scheduler_config.max_num_seqs
 
-    async def generate_group(self, item: WorkItem) -> Generated:
+    @property
+    def max_loras(self) -> int:
+        """Adapters the engine runs in one batch (0: started without adapter support)."""
+        config = self.llm.vllm_config.lora_config
+        return 0 if config is None else config.max_loras
+
+    @property
+    def max_lora_rank(self) -> int:
+        config = self.llm.vllm_config.lora_config
+        return 0 if config is None else config.max_lora_rank
+
+    @property
+    def swapping(self) -> bool:
+        """A swap has begun and not ended."""
+        return self._swaps_done < self._swaps_begun
+
+    async def add_adapter(self, adapter: Adapter) -> None:
+        """Load an adapter into the engine (vLLM reads and checks it in its engine core; a refusal
+        raises here, the engine lives on). Milliseconds for a small adapter."""
+        await self.llm.add_lora(adapter.request(replace=True))
+
+    async def remove_adapter(self, version: int) -> None:
+        await self.llm.remove_lora(version)
+
+    async def generate_group(self, item: WorkItem, adapter: Adapter | None = None) -> Generated:
+        """`adapter`: serve the group with that adapter version (loaded with `add_adapter`)."""
         params = sampling_params(item.sampling, item.n)
         if (item.sampling.return_text or item.sampling.stop) and not self.has_tokenizer:
             raise GroupError("text or stop strings asked for, but this worker's model has no tokenizer")
@@ -200,10 +246,14 @@ class VLLMEngine:
             prompt = {"prompt_token_ids": self._checked(unpack_tokens(item.prompt))}
         request_id = f"{item.job_id}-{item.group_index}-{uuid.uuid4().hex[:8]}"
         states = [_SampleState() for _ in range(item.n)]
-        final, version, epoch = await self._request(prompt, params, request_id)
+        final, version, epoch = await self._request(prompt, params, request_id, adapter)
         prompt_ids = list(final.prompt_token_ids or [])
         for c in final.outputs:
-            states[c.index].extend(c, version, item.sampling.logprobs)
+            states[c.index].extend(c, version, item.sampling.logprobs,
+                                   None if adapter is None else adapter.version)
+        cut = self._swaps_begun > epoch and any(st.finish_reason == "abort" for st in states)
+        if cut and adapter is not None:  # the worker drains adapter groups before a swap
+            raise GroupError(f"adapter version {adapter.version}: cut by a swap of the base weights")
         while self._swaps_begun > epoch and any(st.finish_reason == "abort" for st in states):
             # Cut by an interrupting swap: continue each cut sample under the new weights from
             # prompt + its tokens so far (its KV is computed again by the new version).
@@ -226,20 +276,26 @@ class VLLMEngine:
                              f"vocabulary of {vocab} tokens (ids 0..{vocab - 1})")
         return ids
 
-    async def _request(self, prompt: dict, params: Any, request_id: str):
+    async def _request(self, prompt: dict, params: Any, request_id: str,
+                       adapter: Adapter | None = None):
         """One engine request -> (final output, version that ran it, swaps begun before it)."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         while self._swaps_done < self._swaps_begun:  # never send into a swap
             await self._swap_done.wait()
+        if adapter is not None and adapter.base != self._version:  # never an adapter on other weights
+            raise GroupError(f"adapter version {adapter.version} applies on version {adapter.base}; "
+                             f"this engine serves version {self._version} now")
         if not self._labelled:  # vLLM labels sampled tokens with this from now on
             await self.llm.update_weight_version(str(self._version))
             self._labelled = True
         version, epoch, final = self._version, self._swaps_begun, None
+        lora = None if adapter is None else adapter.request()
         try:
             # vLLM aborts the request itself when this task is cancelled, and re-raises.
-            async for output in self.llm.generate(prompt, params, request_id=request_id):
+            async for output in self.llm.generate(prompt, params, request_id=request_id,
+                                                  lora_request=lora):
                 final = output
         except EngineDeadError as e:
             raise EngineDead(str(e)) from e
