@@ -166,3 +166,51 @@ async def test_wrong_adapters_are_refused_with_a_reason_and_the_worker_keeps_ser
     assert lora_engine.alive and worker.engine.version == 0
     assert {2, 3, 4} <= worker.cannot_load
     await wait_until(lambda: 1 in worker.adapters.loaded, what="adapter 1 still loaded")
+
+
+async def test_retention_unloads_adapters_nobody_needs(publisher, make_worker, lora_engine, loras,
+                                                       tiny_model):
+    dirs, merged = loras
+    worker, _ = make_worker(engine=lora_engine, base_schema=dir_schema(tiny_model))
+    for v in (1, 2, 3):
+        await publisher.publish_weights(v, dirs[v], adapter_on=0)
+    for v in (1, 2, 3):
+        await publisher.submit(PROMPTS[:1], n=1, sampling=GREEDY, min_version=v, max_version=v)
+    assert all(r.status == "ok" for r in await collect(publisher, 3, timeout_s=60))
+    assert sorted(worker.adapters.loaded) == [1, 2, 3]
+    # A fourth adapter with keep=2: versions 1 and 2 leave the registry (no job needs them, the
+    # worker pins none it has loaded); the worker unloads them from vLLM and loads 4.
+    await publisher.publish_weights(4, dirs[1], adapter_on=0, keep=2)
+    assert [e.version for e in await Registry(publisher.redis, publisher.keys).entries()] == [3, 4]
+    await wait_until(lambda: sorted(worker.adapters.loaded) == [3, 4], what="adapters 3 and 4 only")
+    assert not {1, 2} & set(await lora_engine.llm.list_loras())
+    await publisher.submit(PROMPTS[:1], n=1, sampling=GREEDY, min_version=4, max_version=4)
+    [r] = await collect(publisher, 1, timeout_s=60)
+    assert r.samples[0].versions == [(4, 0)]
+    assert r.samples[0].token_ids == greedy(merged[1], r.prompt_ids, GREEDY["max_tokens"])
+    assert worker.stats.totals.swaps == 0
+
+
+async def test_an_adapter_on_a_newer_base_swaps_to_the_base_then_serves_beside_it(
+        publisher, make_worker, lora_engine, reference, tiny_model, tmp_path):
+    """Runs last: it swaps the module's engine to full version 1."""
+    from swap_fixtures import perturbed
+
+    full = LlamaForCausalLM(reference.config).eval()
+    full.load_state_dict(perturbed(reference.state_dict(), 1))
+    full.save_pretrained(tmp_path / "v1")
+    on_v1 = make_lora(tmp_path / "v1", tmp_path / "a2", seed=2)
+    worker, _ = make_worker(engine=lora_engine, base_schema=dir_schema(tiny_model))
+    await publisher.publish_weights(1, tmp_path / "v1")
+    await publisher.publish_weights(2, tmp_path / "a2", adapter_on=1)
+    jobs = {v: await publisher.submit(PROMPTS[:2], n=1, sampling=GREEDY, min_version=v, max_version=v)
+            for v in (2, 1)}
+    results = await collect(publisher, 4, timeout_s=120)
+    for r in results:
+        v = 2 if r.job_id == jobs[2] else 1
+        assert r.status == "ok", r.reason
+        assert r.samples[0].versions == [(v, 0)]
+        model = on_v1 if v == 2 else full
+        assert r.samples[0].token_ids == greedy(model, r.prompt_ids, GREEDY["max_tokens"])
+    assert worker.engine.version == 1 and worker.stats.totals.swaps == 1
+    assert sorted(worker.adapters.loaded) == [2]

@@ -231,8 +231,8 @@ class VersionFollower:
         """The full version to swap to for the newest version (None: none). An adapter version
         needs its base: swap to it if it is ahead, else serve the adapter beside it (loaded now,
         before any group asks for it)."""
-        entry = self.adapters and self.adapters.entries.get(newest)
-        entry = entry or await self.registry.get(newest)
+        known = {} if self.adapters is None else self.adapters.entries
+        entry = known.get(newest) or await self.registry.get(newest)
         if entry is None or entry.kind == "full":
             return newest
         engine, cannot_load = self.worker.engine, self.worker.cannot_load
