@@ -92,17 +92,21 @@ async def test_a_bad_adapter_config_is_refused_at_publish(publisher, loras, tmp_
 
 
 async def test_three_adapter_versions_are_served_side_by_side_without_a_swap(
-        publisher, make_worker, lora_engine, loras, tiny_model):
+        publisher, make_worker, lora_engine, loras, tiny_model, reference):
+    """Jobs pinned to adapter versions 1-3 and to the full version 0 run in the same batches.
+    (Version 0's groups were seen sampling an adapter's tokens on vLLM's CPU build before the
+    zero adapter of engine/lora.py.)"""
     dirs, merged = loras
+    merged = {0: reference} | merged
     worker, _ = make_worker(engine=lora_engine, base_schema=dir_schema(tiny_model),
                             max_inflight=32, max_inflight_seqs=32)
     for v in (1, 2, 3):
         await publisher.publish_weights(v, dirs[v], adapter_on=0)
     began = time.monotonic()
     jobs = {v: await publisher.submit(PROMPTS, n=1, sampling=GREEDY, min_version=v, max_version=v)
-            for v in (3, 1, 2)}
-    results = await collect(publisher, 3 * len(PROMPTS), timeout_s=120)
-    print(f"{len(results)} groups of 3 adapter versions in {time.monotonic() - began:.2f} s")
+            for v in (3, 0, 1, 2)}
+    results = await collect(publisher, 4 * len(PROMPTS), timeout_s=120)
+    print(f"{len(results)} groups of 3 adapter versions and the full one in {time.monotonic() - began:.2f} s")
     version_of = {job: v for v, job in jobs.items()}
     worst = 0.0
     for r in results:
@@ -117,7 +121,7 @@ async def test_three_adapter_versions_are_served_side_by_side_without_a_swap(
     assert worst < LOGPROB_TOLERANCE
     # The adapters' outputs differ (else this test could not tell them apart).
     outputs = {version_of[r.job_id]: r.samples[0].token_ids for r in results if r.group_index == 0}
-    assert len({tuple(t) for t in outputs.values()}) == 3
+    assert len({tuple(t) for t in outputs.values()}) == 4
     # All three resident, the full weights untouched: no swap ever happened.
     assert sorted(worker.adapters.loaded) == [1, 2, 3]
     assert worker.engine.version == 0 and worker.stats.totals.swaps == 0
@@ -193,7 +197,8 @@ async def test_retention_unloads_adapters_nobody_needs(publisher, make_worker, l
 
 async def test_an_adapter_on_a_newer_base_swaps_to_the_base_then_serves_beside_it(
         publisher, make_worker, lora_engine, reference, tiny_model, tmp_path):
-    """Runs last: it swaps the module's engine to full version 1."""
+    """Runs last: it swaps the module's engine to full version 1. (Seen failing, 1 run in 3, with
+    garbage tokens for version 1 while an adapter in use was unloaded right after the swap.)"""
     from swap_fixtures import perturbed
 
     full = LlamaForCausalLM(reference.config).eval()
@@ -203,14 +208,14 @@ async def test_an_adapter_on_a_newer_base_swaps_to_the_base_then_serves_beside_i
     worker, _ = make_worker(engine=lora_engine, base_schema=dir_schema(tiny_model))
     await publisher.publish_weights(1, tmp_path / "v1")
     await publisher.publish_weights(2, tmp_path / "a2", adapter_on=1)
-    jobs = {v: await publisher.submit(PROMPTS[:2], n=1, sampling=GREEDY, min_version=v, max_version=v)
+    jobs = {v: await publisher.submit(PROMPTS, n=1, sampling=GREEDY, min_version=v, max_version=v)
             for v in (2, 1)}
-    results = await collect(publisher, 4, timeout_s=120)
+    results = await collect(publisher, 8, timeout_s=120)
     for r in results:
         v = 2 if r.job_id == jobs[2] else 1
         assert r.status == "ok", r.reason
         assert r.samples[0].versions == [(v, 0)]
         model = on_v1 if v == 2 else full
-        assert r.samples[0].token_ids == greedy(model, r.prompt_ids, GREEDY["max_tokens"])
+        assert r.samples[0].token_ids == greedy(model, r.prompt_ids, GREEDY["max_tokens"]), v
     assert worker.engine.version == 1 and worker.stats.totals.swaps == 1
     assert sorted(worker.adapters.loaded) == [2]

@@ -11,14 +11,17 @@ import asyncio
 import logging
 import math
 import os
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
 
 from rollq.config import VLLMSettings
 from rollq.engine.base import EngineDead, Generated, GroupError
+from rollq.engine import lora
 from rollq.engine.chat import ChatRenderer
 from rollq.protocol import (SAMPLING_EXTRA, Sample, Sampling, WorkItem, pack_floats, pack_tokens,
                             unpack_tokens)
@@ -150,6 +153,9 @@ class VLLMEngine:
         self._dead = ""
         """Why the engine can serve no more (a failed load whose fallback failed too)."""
         self._chat = ChatRenderer(llm, has_tokenizer)
+        self._no_adapter: Any = None
+        """CPU build with adapters: the zero adapter the full weights' requests carry (engine/lora.py)."""
+        self._no_adapter_dir: tempfile.TemporaryDirectory | None = None
 
     @classmethod
     async def start(cls, settings: VLLMSettings, *, version: int = 0) -> VLLMEngine:
@@ -159,10 +165,15 @@ class VLLMEngine:
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU builds only read it
         kwargs = settings.engine_kwargs()
+        zero_adapter = kwargs.get("enable_lora") and lora.needed()
+        if zero_adapter:  # a slot of its own (see engine/lora.py)
+            kwargs["max_loras"] += 1
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         engine = cls(llm, version=version, has_tokenizer=not kwargs["skip_tokenizer_init"],
                      weights_path=settings.model)
         try:
+            if zero_adapter:
+                await engine._add_no_adapter(settings.model)
             await engine.warm_up()
         except BaseException:
             await engine.close()
@@ -210,7 +221,18 @@ class VLLMEngine:
     def max_loras(self) -> int:
         """Adapters the engine runs in one batch (0: started without adapter support)."""
         config = self.llm.vllm_config.lora_config
-        return 0 if config is None else config.max_loras
+        return 0 if config is None else config.max_loras - (self._no_adapter is not None)
+
+    async def _add_no_adapter(self, model: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if self._no_adapter is None:
+            self._no_adapter_dir = tempfile.TemporaryDirectory(prefix="rollq-zero-adapter-")
+            lora.write_zero_adapter(model, Path(self._no_adapter_dir.name))
+            self._no_adapter = LoRARequest("no-adapter", lora.NO_ADAPTER_ID, self._no_adapter_dir.name)
+        # Again after each reload: vLLM drops every adapter when it reloads the weights.
+        await self.llm.add_lora(self._no_adapter)
+        await self.llm.pin_lora(lora.NO_ADAPTER_ID)
 
     @property
     def max_lora_rank(self) -> int:
@@ -291,11 +313,11 @@ class VLLMEngine:
             await self.llm.update_weight_version(str(self._version))
             self._labelled = True
         version, epoch, final = self._version, self._swaps_begun, None
-        lora = None if adapter is None else adapter.request()
+        lora_request = self._no_adapter if adapter is None else adapter.request()
         try:
             # vLLM aborts the request itself when this task is cancelled, and re-raises.
             async for output in self.llm.generate(prompt, params, request_id=request_id,
-                                                  lora_request=lora):
+                                                  lora_request=lora_request):
                 final = output
         except EngineDeadError as e:
             raise EngineDead(str(e)) from e
@@ -343,6 +365,8 @@ class VLLMEngine:
             await llm.reset_prefix_cache()
         finally:
             if not self._dead:  # a dead engine's queued requests must not run on empty layers
+                if self._no_adapter is not None:
+                    await self._add_no_adapter(self._weights_path)
                 await llm.resume_generation()
             self._swaps_done += 1
             done, self._swap_done = self._swap_done, asyncio.Event()
@@ -396,6 +420,8 @@ class VLLMEngine:
 
     async def close(self) -> None:
         llm, self.llm = self.llm, None
+        if self._no_adapter_dir is not None:
+            self._no_adapter_dir.cleanup()
         if llm is not None:
             llm.shutdown()
             # AsyncLLM.__del__ calls shutdown() again, at interpreter exit when vLLM's module

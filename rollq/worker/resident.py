@@ -177,8 +177,10 @@ class ResidentAdapters:
 
     async def rebase(self) -> None:
         """After a swap of the full weights: adapters of the old weights go (none is in use: a
-        swap drains groups served by adapters)."""
-        for version in list(self.loaded):
+        swap drains groups served by adapters). Only those: the gate reopened before this runs,
+        so a group may already be running on an adapter of the new weights."""
+        base = self.worker.engine.version
+        for version in [v for v, adapter in self.loaded.items() if adapter.base != base]:
             await self._unload(version)
 
     def _refusal(self, item: WorkItem, newest: int | None) -> Verdict | None:
