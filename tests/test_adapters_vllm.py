@@ -2,6 +2,7 @@
 (CPU) with no swap, each checked against transformers on the PEFT-merged model of its version;
 wrong adapters refused with their reason while the worker keeps serving."""
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -184,7 +185,13 @@ async def test_retention_unloads_adapters_nobody_needs(publisher, make_worker, l
     assert sorted(worker.adapters.loaded) == [1, 2, 3]
     # A fourth adapter with keep=2: versions 1 and 2 leave the registry (no job needs them, the
     # worker pins none it has loaded); the worker unloads them from vLLM and loads 4.
+    began = time.monotonic()
     await publisher.publish_weights(4, dirs[1], adapter_on=0, keep=2)
+    published = time.monotonic()
+    while 4 not in worker.adapters.loaded and time.monotonic() - published < 30:
+        await asyncio.sleep(0.002)
+    print(f"publish (rank 8, keep=2) {published - began:.3f} s, then loaded in the worker after "
+          f"{time.monotonic() - published:.3f} s")
     assert [e.version for e in await Registry(publisher.redis, publisher.keys).entries()] == [3, 4]
     await wait_until(lambda: sorted(worker.adapters.loaded) == [3, 4], what="adapters 3 and 4 only")
     assert not {1, 2} & set(await lora_engine.llm.list_loras())
