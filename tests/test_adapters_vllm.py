@@ -123,6 +123,9 @@ async def test_three_adapter_versions_are_served_side_by_side_without_a_swap(
     # The adapters' outputs differ (else this test could not tell them apart).
     outputs = {version_of[r.job_id]: r.samples[0].token_ids for r in results if r.group_index == 0}
     assert len({tuple(t) for t in outputs.values()}) == 4
+    # Side by side: some groups of different versions were generating at the same time.
+    spans = [(r.finished_at - r.generation_s, r.finished_at, version_of[r.job_id]) for r in results]
+    assert any(a0 < b1 and b0 < a1 and va != vb for a0, a1, va in spans for b0, b1, vb in spans)
     # All three resident, the full weights untouched: no swap ever happened.
     assert sorted(worker.adapters.loaded) == [1, 2, 3]
     assert worker.engine.version == 0 and worker.stats.totals.swaps == 0
