@@ -186,13 +186,12 @@ class ResidentAdapters:
     def _refusal(self, item: WorkItem, newest: int | None) -> Verdict | None:
         """FAIL when the window is closed (no later version can enter it), holds no full
         version and every adapter version in it is one this worker refused."""
-        hi = item.max_version
-        if hi is None or newest is None or hi > newest or item.min_version <= 0:
+        lo, hi = item.min_version, item.max_version
+        if hi is None or newest is None or hi > newest or lo <= 0:
             return None
-        inside = lambda v: item.min_version <= v <= hi  # noqa: E731
-        refused = sorted(v for v in self.refused if inside(v))
-        if not refused or any(inside(v) for v in self.full) \
-                or any(inside(v) for v in self.entries if v not in self.refused):
+        refused = sorted(v for v in self.refused if lo <= v <= hi)
+        others = self.full | (self.entries.keys() - self.refused.keys())
+        if not refused or any(lo <= v <= hi for v in others):
             return None
         return Verdict(Decision.FAIL, "; ".join(self.refused[v] for v in refused))
 
