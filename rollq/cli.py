@@ -73,6 +73,12 @@ def main(log_level: str) -> None:
               envvar="ROLLQ_PREFIX_CACHING", default=True, show_default=True)
 @click.option("--logprobs-mode", envvar="ROLLQ_LOGPROBS_MODE", default="processed_logprobs",
               show_default=True, type=click.Choice(["processed_logprobs", "raw_logprobs"]))
+@click.option("--enable-lora", is_flag=True, envvar="ROLLQ_ENABLE_LORA",
+              help="Serve adapter (LoRA) versions side by side, without swaps.")
+@click.option("--max-loras", envvar="ROLLQ_MAX_LORAS", default=3, show_default=True,
+              help="Adapter versions in one batch (and kept loaded).")
+@click.option("--max-lora-rank", envvar="ROLLQ_MAX_LORA_RANK", default=16, show_default=True,
+              help="Largest adapter rank served; higher ones are refused.")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="NAME=JSON",
               help="Any other vLLM AsyncEngineArgs field, e.g. --engine-arg block_size=32.")
 def worker(**flags) -> None:

@@ -50,9 +50,10 @@ from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
+from rollq.registry.adapters import is_adapter_dir
 from rollq.registry.commit import commit_version
-from rollq.registry.sources import tensors_of
-from rollq.registry.store import WeightStore, digest_dir
+from rollq.registry.sources import adapter_of, tensors_of
+from rollq.registry.store import WeightStore, adapter_files, digest_dir
 from rollq.registry.versions import Registry
 
 
@@ -482,7 +483,8 @@ class RolloutClient:
     # --- weights -----------------------------------------------------------------------------
 
     async def publish_weights(self, version: int, source: Any, *, copy: bool = True,
-                              keep: int | None = None, wait: bool = True):
+                              keep: int | None = None, wait: bool = True,
+                              adapter_on: int | None = None):
         """Register policy `version` (strictly above the newest); workers swap to it.
 
         `source`: a directory of safetensors files (copied into the weight store, or registered
@@ -497,23 +499,54 @@ class RolloutClient:
         store write, hashing and registration then run in the background, so the training loop
         is not held up by them. Publishes register in the order they were made, waited for or
         not; one that fails (its task raises) does not stop the next.
+
+        `adapter_on=B`: publish an adapter version instead, served on top of the full version B
+        (0: the model workers start with) by workers started with adapter support, beside other
+        adapters and without a swap. `source` is then a PEFT model (its active LoRA adapter) or
+        a directory PEFT's `save_pretrained` wrote; only `adapter_config.json` and
+        `adapter_model.safetensors` are stored (always copied).
         """
         if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**62:
             raise InvalidInput("version", f"version={version!r} must be an integer >= 0")
-        if not wait and not isinstance(source, (str, os.PathLike)):
+        if adapter_on is not None:
+            await self._check_adapter_base(version, adapter_on, source)
+            if not isinstance(source, (str, os.PathLike)):
+                source = await asyncio.to_thread(adapter_of, source)
+        elif isinstance(source, (str, os.PathLike)) and is_adapter_dir(Path(source)):
+            raise InvalidInput("adapter_on", f"{source} is a LoRA adapter: publish it with "
+                                             "adapter_on=<the full version it applies on>")
+        elif not wait and not isinstance(source, (str, os.PathLike)):
             source = await asyncio.to_thread(tensors_of, source, own=True)
-        task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy, keep))
+        task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy,
+                                                         keep, adapter_on))
         self._publishing = task
         return await task if wait else task
 
+    async def _check_adapter_base(self, version: int, base: Any, source: Any) -> None:
+        if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < version:
+            raise InvalidInput("adapter_on", f"adapter_on={base!r} must be a full version below "
+                                             f"{version} (0: the model workers start with)")
+        if base > 0:
+            entry = await self.registry.get(base)
+            if entry is None or entry.kind != "full":
+                raise InvalidInput("adapter_on", f"adapter_on={base}: no full version {base} is "
+                                                 "registered (an adapter applies on full weights)")
+
     async def _publish_in_turn(self, previous: asyncio.Task | None, version: int, source: Any,
-                               copy: bool, keep: int | None) -> VersionEntry:
+                               copy: bool, keep: int | None,
+                               adapter_on: int | None = None) -> VersionEntry:
         if previous is not None:
             await asyncio.wait([previous])  # its outcome is its own caller's to see
         store = WeightStore(self.weight_store)
-        path, files, owned = await asyncio.to_thread(self._write_weights, store, version, source, copy)
+        if adapter_on is None:
+            path, files, owned = await asyncio.to_thread(self._write_weights, store, version,
+                                                         source, copy)
+        else:
+            path, files = await asyncio.to_thread(self._write_adapter, store, version, source)
+            owned = True
         entry = VersionEntry(version, str(path), files, sum(f.bytes for f in files), time.time(),
-                             self.trainer_id, owned)
+                             self.trainer_id, owned, "full" if adapter_on is None else "adapter",
+                             adapter_on or 0)
         await commit_version(self.redis, self.keys, store, entry, keep, self.registry)
         return entry
 
@@ -527,6 +560,14 @@ class RolloutClient:
                 return source, digest_dir(source), False
             return *store.copy_dir(policy, version, source), True
         return *store.write_tensors(policy, version, tensors_of(source)), True
+
+    def _write_adapter(self, store: WeightStore, version: int, source: Any):
+        if isinstance(source, tuple):  # (tensors, config) of a PEFT model, copied already
+            return store.write_adapter(self.keys.policy, version, *source)
+        source = Path(source).resolve()
+        if not source.is_dir():
+            raise InvalidInput("source", f"{source} is not an adapter directory")
+        return store.copy_dir(self.keys.policy, version, source, adapter_files)
 
     async def latest_version(self) -> int | None:
         return await self.registry.latest()

@@ -75,6 +75,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         return self
 
 
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class VLLMSettings(msgspec.Struct, kw_only=True):
     """How a worker builds its vLLM engine (`AsyncEngineArgs`)."""
 
@@ -92,6 +95,12 @@ class VLLMSettings(msgspec.Struct, kw_only=True):
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     """`processed`: logprobs of the distribution tokens were sampled from (after temperature,
     top-k/top-p), i.e. the behaviour policy; `raw`: of the model's unmodified logits."""
+    enable_lora: bool = False
+    """Serve adapter (LoRA) versions beside each other, without swaps (vLLM's `enable_lora`)."""
+    max_loras: int = 3
+    """Adapter versions the engine runs in one batch; the worker keeps this many loaded."""
+    max_lora_rank: int = 16
+    """The largest adapter rank served; an adapter version of a higher rank is refused."""
     engine_args: dict[str, Any] = {}
     """Any other `AsyncEngineArgs` field, passed through."""
 
@@ -107,6 +116,11 @@ class VLLMSettings(msgspec.Struct, kw_only=True):
             raise InvalidInput("gpu_memory_utilization", "must be in (0, 1]")
         if not 1 <= self.tensor_parallel_size <= 1024:
             raise InvalidInput("tensor_parallel_size", "must be between 1 and 1024")
+        if not 1 <= self.max_loras <= 256:
+            raise InvalidInput("max_loras", f"max_loras={self.max_loras} is out of range [1, 256]")
+        if self.max_lora_rank not in _LORA_RANKS:
+            raise InvalidInput("max_lora_rank", f"max_lora_rank={self.max_lora_rank} must be one of "
+                                                f"{_LORA_RANKS} (vLLM's choices)")
         from vllm import AsyncEngineArgs
 
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
@@ -124,4 +138,5 @@ class VLLMSettings(msgspec.Struct, kw_only=True):
             tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
             seed=self.seed, enable_prefix_caching=self.enable_prefix_caching,
             logprobs_mode=self.logprobs_mode, skip_tokenizer_init=not has_tokenizer,
-        ) | self.engine_args
+        ) | (dict(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+             if self.enable_lora else {}) | self.engine_args

@@ -312,6 +312,12 @@ class VersionEntry(msgspec.Struct, **_WIRE):
     publisher: str
     owned: bool = True
     """The weight store wrote this directory (retention may delete it); False: by reference."""
+    kind: Literal["full", "adapter"] = "full"
+    """`full`: complete weights, loaded by a swap. `adapter`: a LoRA adapter (PEFT's
+    `adapter_config.json` + `adapter_model.safetensors`) served on top of the full version
+    `base`, side by side with other adapters, without a swap."""
+    base: int = 0
+    """Adapters only: the full version the adapter applies on (0: the model workers start with)."""
 
 
 # One encoder and one decoder per type per process, reused (msgspec's advice).

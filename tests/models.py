@@ -78,3 +78,20 @@ def make_chat_model(path: Path, *, seed: int = 0) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                             chat_template=CHAT_TEMPLATE).save_pretrained(path)
     return path
+
+
+def make_lora(base: Path, out: Path, *, seed: int, r: int = 8, targets=("q_proj", "v_proj")):
+    """A PEFT LoRA adapter of `base`, saved to `out` (PEFT's save_pretrained), with random
+    non-zero lora_B (PEFT starts it at zero, which would change nothing). Returns the
+    transformers model with the adapter merged: the float32 reference of that adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(load_reference(base), LoraConfig(r=r, lora_alpha=2 * r,
+                                                           target_modules=list(targets)))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    model.save_pretrained(out)
+    return model.merge_and_unload().eval()

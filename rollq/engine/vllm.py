@@ -11,14 +11,17 @@ import asyncio
 import logging
 import math
 import os
+import tempfile
 import time
 import uuid
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import msgspec
 
 from rollq.config import VLLMSettings
 from rollq.engine.base import EngineDead, Generated, GroupError
+from rollq.engine import lora
 from rollq.engine.chat import ChatRenderer
 from rollq.protocol import (SAMPLING_EXTRA, Sample, Sampling, WorkItem, pack_floats, pack_tokens,
                             unpack_tokens)
@@ -46,11 +49,14 @@ class _SampleState:
         self.token_texts: list[str] = []
         self.top_texts: list[str] = []
 
-    def extend(self, completion: Any, version: int, top_n: int) -> None:
-        """Append a request's output; `version`: the engine's version when it was sent."""
+    def extend(self, completion: Any, version: int, top_n: int, adapter: int | None = None) -> None:
+        """Append a request's output; `version`: the engine's version when it was sent;
+        `adapter`: the adapter version that served the whole request, if one did."""
         tokens = list(completion.token_ids)
-        # vLLM labels each span of output tokens with the weight version that sampled it.
-        spans = getattr(completion, "weight_versions", None) or [_Span(str(version), 0, len(tokens))]
+        # vLLM labels each span of output tokens with the weight version that sampled it (its
+        # base weights': an adapter request is labelled here, by the adapter that served it).
+        spans = None if adapter is not None else getattr(completion, "weight_versions", None)
+        spans = spans or [_Span(str(version if adapter is None else adapter), 0, len(tokens))]
         for span in spans:
             if span.end > span.start and (not self.versions or self.versions[-1][0] != int(span.version)):
                 self.versions.append((int(span.version), len(self.tokens) + span.start))
@@ -85,6 +91,24 @@ class _Span(msgspec.Struct):
     version: str
     start: int
     end: int
+
+
+class Adapter(NamedTuple):
+    """An adapter version as the engine serves it: a LoRA on its full version `base`."""
+
+    version: int
+    base: int
+    path: str
+    """A verified private snapshot (adapter_config.json + adapter_model.safetensors)."""
+
+    def request(self, *, replace: bool = False):
+        """`replace`: load it even if vLLM holds an adapter of this id (an engine reused by
+        another registry, as tests do), else vLLM keeps the one it has."""
+        from vllm.lora.request import LoRARequest
+
+        # The version is the adapter's id in vLLM: unique per policy, and >= 1 (adapters are
+        # above their base, which is >= 0), as vLLM requires.
+        return LoRARequest(f"v{self.version}", self.version, self.path, load_inplace=replace)
 
 
 def _ranked(entries: dict, token: int, top_n: int) -> list[tuple[int, float]]:
@@ -139,6 +163,9 @@ class VLLMEngine:
         self._dead = ""
         """Why the engine can serve no more (a failed load whose fallback failed too)."""
         self._chat = ChatRenderer(llm, has_tokenizer)
+        self._no_adapter: Any = None
+        """CPU build with adapters: the zero adapter the full weights' requests carry (engine/lora.py)."""
+        self._no_adapter_dir: tempfile.TemporaryDirectory | None = None
 
     @classmethod
     async def start(cls, settings: VLLMSettings, *, version: int = 0) -> VLLMEngine:
@@ -148,10 +175,15 @@ class VLLMEngine:
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU builds only read it
         kwargs = settings.engine_kwargs()
+        zero_adapter = kwargs.get("enable_lora") and lora.needed()
+        if zero_adapter:  # a slot of its own (see engine/lora.py)
+            kwargs["max_loras"] += 1
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         engine = cls(llm, version=version, has_tokenizer=not kwargs["skip_tokenizer_init"],
                      weights_path=settings.model)
         try:
+            if zero_adapter:
+                await engine._add_no_adapter(settings.model)
             await engine.warm_up()
         except BaseException:
             await engine.close()
@@ -195,7 +227,43 @@ class VLLMEngine:
     def max_num_seqs(self) -> int:
         return self.llm.vllm_config.scheduler_config.max_num_seqs
 
-    async def generate_group(self, item: WorkItem) -> Generated:
+    @property
+    def max_loras(self) -> int:
+        """Adapters the engine runs in one batch (0: started without adapter support)."""
+        config = self.llm.vllm_config.lora_config
+        return 0 if config is None else config.max_loras - (self._no_adapter is not None)
+
+    async def _add_no_adapter(self, model: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if self._no_adapter is None:
+            self._no_adapter_dir = tempfile.TemporaryDirectory(prefix="rollq-zero-adapter-")
+            lora.write_zero_adapter(model, Path(self._no_adapter_dir.name))
+            self._no_adapter = LoRARequest("no-adapter", lora.NO_ADAPTER_ID, self._no_adapter_dir.name)
+        # Again after each reload: vLLM drops every adapter when it reloads the weights.
+        await self.llm.add_lora(self._no_adapter)
+        await self.llm.pin_lora(lora.NO_ADAPTER_ID)
+
+    @property
+    def max_lora_rank(self) -> int:
+        config = self.llm.vllm_config.lora_config
+        return 0 if config is None else config.max_lora_rank
+
+    @property
+    def swapping(self) -> bool:
+        """A swap has begun and not ended."""
+        return self._swaps_done < self._swaps_begun
+
+    async def add_adapter(self, adapter: Adapter) -> None:
+        """Load an adapter into the engine (vLLM reads and checks it in its engine core; a refusal
+        raises here, the engine lives on). Milliseconds for a small adapter."""
+        await self.llm.add_lora(adapter.request(replace=True))
+
+    async def remove_adapter(self, version: int) -> None:
+        await self.llm.remove_lora(version)
+
+    async def generate_group(self, item: WorkItem, adapter: Adapter | None = None) -> Generated:
+        """`adapter`: serve the group with that adapter version (loaded with `add_adapter`)."""
         if item.sampling.text_if_tokenizer and not self.has_tokenizer:  # then no text, not a failure
             item = msgspec.structs.replace(item, sampling=msgspec.structs.replace(
                 item.sampling, text_if_tokenizer=False))
@@ -213,10 +281,14 @@ class VLLMEngine:
             prompt = {"prompt_token_ids": self._checked(unpack_tokens(item.prompt))}
         request_id = f"{item.job_id}-{item.group_index}-{uuid.uuid4().hex[:8]}"
         states = [_SampleState() for _ in range(item.n)]
-        final, version, epoch = await self._request(prompt, params, request_id)
+        final, version, epoch = await self._request(prompt, params, request_id, adapter)
         prompt_ids = list(final.prompt_token_ids or [])
         for c in final.outputs:
-            states[c.index].extend(c, version, item.sampling.logprobs)
+            states[c.index].extend(c, version, item.sampling.logprobs,
+                                   None if adapter is None else adapter.version)
+        cut = self._swaps_begun > epoch and any(st.finish_reason == "abort" for st in states)
+        if cut and adapter is not None:  # the worker drains adapter groups before a swap
+            raise GroupError(f"adapter version {adapter.version}: cut by a swap of the base weights")
         while self._swaps_begun > epoch and any(st.finish_reason == "abort" for st in states):
             # Cut by an interrupting swap: continue each cut sample under the new weights from
             # prompt + its tokens so far (its KV is computed again by the new version).
@@ -240,20 +312,26 @@ class VLLMEngine:
                              f"vocabulary of {vocab} tokens (ids 0..{vocab - 1})")
         return ids
 
-    async def _request(self, prompt: dict, params: Any, request_id: str):
+    async def _request(self, prompt: dict, params: Any, request_id: str,
+                       adapter: Adapter | None = None):
         """One engine request -> (final output, version that ran it, swaps begun before it)."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         while self._swaps_done < self._swaps_begun:  # never send into a swap
             await self._swap_done.wait()
+        if adapter is not None and adapter.base != self._version:  # never an adapter on other weights
+            raise GroupError(f"adapter version {adapter.version} applies on version {adapter.base}; "
+                             f"this engine serves version {self._version} now")
         if not self._labelled:  # vLLM labels sampled tokens with this from now on
             await self.llm.update_weight_version(str(self._version))
             self._labelled = True
         version, epoch, final = self._version, self._swaps_begun, None
+        lora_request = self._no_adapter if adapter is None else adapter.request()
         try:
             # vLLM aborts the request itself when this task is cancelled, and re-raises.
-            async for output in self.llm.generate(prompt, params, request_id=request_id):
+            async for output in self.llm.generate(prompt, params, request_id=request_id,
+                                                  lora_request=lora_request):
                 final = output
         except EngineDeadError as e:
             raise EngineDead(str(e)) from e
@@ -301,6 +379,8 @@ class VLLMEngine:
             await llm.reset_prefix_cache()
         finally:
             if not self._dead:  # a dead engine's queued requests must not run on empty layers
+                if self._no_adapter is not None:
+                    await self._add_no_adapter(self._weights_path)
                 await llm.resume_generation()
             self._swaps_done += 1
             done, self._swap_done = self._swap_done, asyncio.Event()
@@ -354,6 +434,8 @@ class VLLMEngine:
 
     async def close(self) -> None:
         llm, self.llm = self.llm, None
+        if self._no_adapter_dir is not None:
+            self._no_adapter_dir.cleanup()
         if llm is not None:
             llm.shutdown()
             # AsyncLLM.__del__ calls shutdown() again, at interpreter exit when vLLM's module

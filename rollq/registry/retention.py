@@ -1,5 +1,8 @@
 """Retention: drop old versions, never one that a worker pins or holds, or an unfinished job may need.
 
+Adapter versions are retained like full ones (one version order); a kept adapter keeps its base.
+Workers unload an adapter that is no longer registered once no group runs on it.
+
 The last word is `Registry.retire` (one Lua script): a version is deregistered only if it is not
 the newest and no worker's pin lease is live, and the caller that deregistered it is the only
 one that deletes its files. Workers pin a version before verifying it (`Registry.pin`, which
@@ -47,9 +50,15 @@ async def retain(redis: Redis, keys: Keys, store: WeightStore | None, keep: int)
     protected = {e.version for e in entries[-keep:]}
     protected |= {w.version for w in await live_workers(redis, keys)}
     windows = await needed_by_jobs(redis, keys)
+
+    def needed(version: int) -> bool:
+        return version in protected or any(lo <= version <= hi for lo, hi in windows)
+
+    # An adapter version is served on top of its base: a needed adapter keeps its base too.
+    protected |= {e.base for e in entries if e.kind == "adapter" and needed(e.version)}
     removed = []
     for entry in entries:
-        if entry.version in protected or any(lo <= entry.version <= hi for lo, hi in windows):
+        if needed(entry.version):
             continue
         if await registry.retire(entry.version) != "ok":  # pinned, newest, or someone else's
             continue

@@ -5,7 +5,8 @@ a copy of the weights (base + each active adapter's delta), never into the train
 (merging and unmerging in place would leave rounding errors in its base weights), and names are
 cleaned:
 `base_model.model.` and `.base_layer` go, `modules_to_save.default.` replaces the original
-module, adapter tensors (`lora_*`) are dropped.
+module, adapter tensors (`lora_*`) are dropped. Published as an adapter version instead
+(`publish_weights(..., adapter_on=base)`), a PEFT model gives only its adapter (`adapter_of`).
 """
 
 from __future__ import annotations
@@ -70,3 +71,30 @@ def tensors_of(source: Any, *, own: bool = False) -> dict[str, Any]:
         return saveable(source.state_dict(), own=own)
     raise TypeError(f"cannot publish a {type(source).__name__}: give a directory of safetensors, "
                     "a state_dict or a model")
+
+
+def adapter_of(model: Any) -> tuple[dict[str, Any], bytes]:
+    """A PEFT model's active LoRA adapter -> (its tensors, copied; its config as JSON bytes),
+    as PEFT's `save_pretrained` would write them (`adapter_model.safetensors`, `adapter_config.json`)."""
+    import enum
+    import json
+
+    if not _is_peft(model):
+        raise TypeError(f"cannot publish a {type(model).__name__} as an adapter: give a PEFT model "
+                        "or a directory PEFT's save_pretrained wrote")
+    from peft import get_peft_model_state_dict
+
+    name = model.active_adapter
+    if not isinstance(name, str):
+        raise TypeError(f"a PEFT model with several active adapters ({name}) is not one adapter")
+    tensors = get_peft_model_state_dict(model, adapter_name=name)
+
+    def plain(value: Any) -> Any:  # what json cannot write: PEFT keeps sets and enums in configs
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        if isinstance(value, enum.Enum):
+            return value.value
+        return str(value)
+
+    config = json.dumps(model.peft_config[name].to_dict(), default=plain, sort_keys=True)
+    return saveable(tensors, own=True), config.encode()

@@ -21,6 +21,7 @@ from typing import Any
 import blake3
 
 from rollq.protocol import FileDigest, check_id
+from rollq.registry import adapters
 from rollq.registry.safetensors_check import WeightError, check_header_of, not_regular, open_regular
 
 COMMIT_MARKER = "COMMITTED"
@@ -112,6 +113,26 @@ def _digest(f: Path) -> FileDigest:
         return FileDigest(f.name, _digest_of(fh, DIGEST), os.fstat(fh.fileno()).st_size, DIGEST)
 
 
+def _digest_config(f: Path) -> FileDigest:
+    """An adapter config: read once through one descriptor, parsed (bounded JSON), hashed."""
+    with os.fdopen(open_regular(f), "rb") as fh:
+        raw = fh.read(adapters.MAX_CONFIG_BYTES + 1)
+        adapters.parse_config(raw, f.name)
+        return FileDigest(f.name, _digest_of(fh, DIGEST), os.fstat(fh.fileno()).st_size, DIGEST)
+
+
+def adapter_files(path: Path) -> list[Path]:
+    """The two files of an adapter version (anything else in the directory is not published)."""
+    refuse_unsafe(path)
+    refuse_links(path)
+    adapters.check_files(path)
+    return [path / name for name in adapters.FILES]
+
+
+def digest_files(files: list[Path]) -> list[FileDigest]:
+    return [_digest_config(f) if f.name == adapters.CONFIG else _digest(f) for f in files]
+
+
 def digest_dir(path: Path) -> list[FileDigest]:
     """Hash the safetensors files of a directory in place (publish by reference)."""
     return [_digest(f) for f in weight_files(path)]
@@ -121,8 +142,10 @@ class WeightStore:
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
 
-    def _write(self, policy: str, version: int, fill) -> tuple[Path, list[FileDigest]]:
-        """`fill(tmp_dir)` writes the safetensors files; the rest makes them a committed version."""
+    def _write(self, policy: str, version: int, fill,
+               listing=weight_files) -> tuple[Path, list[FileDigest]]:
+        """`fill(tmp_dir)` writes the files (`listing` names them: safetensors, or an adapter's
+        two files); the rest makes them a committed version."""
         parent = self._policy_dir(policy)
         parent.mkdir(parents=True, exist_ok=True)
         name = f"v{version:010d}-{uuid.uuid4().hex[:8]}"
@@ -130,10 +153,10 @@ class WeightStore:
         tmp.mkdir()
         try:
             fill(tmp)
-            files = []
-            for f in weight_files(tmp):
+            names = listing(tmp)
+            for f in names:
                 _fsync_file(f)
-                files.append(_digest(f))
+            files = digest_files(names)
             manifest = {"version": version,
                         "files": [[d.name, d.digest, d.bytes, d.algorithm] for d in files],
                         "committed_at": time.time()}
@@ -167,15 +190,28 @@ class WeightStore:
 
         return self._write(policy, version, fill)
 
-    def copy_dir(self, policy: str, version: int, source: Path) -> tuple[Path, list[FileDigest]]:
-        files = weight_files(source)
+    def copy_dir(self, policy: str, version: int, source: Path,
+                 listing=weight_files) -> tuple[Path, list[FileDigest]]:
+        """The files `listing` names (an adapter: `adapter_files`, nothing else of the directory)."""
+        files = listing(source)
 
         def fill(tmp: Path) -> None:
             for f in files:  # opened without following links: the name may have changed since
                 with os.fdopen(open_regular(f), "rb") as src, open(tmp / f.name, "xb") as dst:
                     shutil.copyfileobj(src, dst, _CHUNK)
 
-        return self._write(policy, version, fill)
+        return self._write(policy, version, fill, listing)
+
+    def write_adapter(self, policy: str, version: int, tensors: dict[str, Any],
+                      config: bytes) -> tuple[Path, list[FileDigest]]:
+        """An adapter version: its LoRA tensors and its PEFT config (JSON bytes)."""
+        from safetensors.torch import save_file
+
+        def fill(tmp: Path) -> None:
+            save_file(tensors, str(tmp / adapters.WEIGHTS), metadata={"format": "pt"})
+            (tmp / adapters.CONFIG).write_bytes(config)
+
+        return self._write(policy, version, fill, adapter_files)
 
     def delete(self, path: str | Path) -> None:
         """Remove a version directory this store wrote (never one published by reference)."""

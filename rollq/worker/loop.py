@@ -27,6 +27,7 @@ from rollq.queue.work import Claimed, WorkQueue
 from rollq.registry.versions import Registry
 from rollq.worker.admission import Admission
 from rollq.worker.heartbeat import Heartbeat, live_workers, recently_pinned
+from rollq.worker.resident import ResidentAdapters
 from rollq.worker.stats import WorkerStats
 from rollq.worker.windows import Decision, Verdict, decide, in_window
 
@@ -78,6 +79,9 @@ class Worker:
         """The newest registered version, as last seen."""
         self.cannot_load: set[int] = set()
         """Versions refused (checksum, header, load error): never retried."""
+        self.adapters: ResidentAdapters | None = None
+        """Adapter versions served beside the loaded one (set by the VersionFollower of an
+        engine with adapter support)."""
         self.state = "serving"
         self.last_error = ""
         self._peers: tuple[float, set[int]] = (0.0, set())
@@ -286,7 +290,8 @@ class Worker:
                         verdict = await self._decide(item)
                         if verdict.decision is Decision.SERVE:
                             started = time.time()
-                            generated = await self.engine.generate_group(item)
+                            generated = await (self.engine.generate_group(item) if verdict.version is None
+                                               else self.adapters.generate(item, verdict.version))
                             break
                     if verdict.decision is Decision.WAIT_SWAP:
                         await self.admission.changed(WAIT_SWAP_RECHECK_S)
@@ -311,6 +316,10 @@ class Worker:
         newest = self.newest
         if item.max_staleness is not None:  # "newest" must be exact when staleness is bounded
             newest = self.newest = await self.registry.latest()
+        if self.adapters is not None:  # an adapter version in the window is newer than `loaded`
+            verdict = await self.adapters.decide(item, newest)
+            if verdict is not None:
+                return verdict
         loaded = self.engine.version
         if in_window(item, loaded, loaded if newest is None else max(newest, loaded)):
             return Verdict(Decision.SERVE)

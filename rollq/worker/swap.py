@@ -35,6 +35,7 @@ from rollq.registry.safetensors_check import (Schema, WeightError, check_compati
                                               open_regular)
 from rollq.registry.store import check_digest, refuse_links, refuse_unsafe
 from rollq.registry.versions import Registry
+from rollq.worker.resident import ResidentAdapters
 from rollq.worker.windows import interruptible
 
 if TYPE_CHECKING:
@@ -106,20 +107,30 @@ def snapshot_schema(directory: Path) -> Schema:
     return schema
 
 
-def check_version(entry: VersionEntry, base_schema: Schema | None, into: Path) -> None:
-    """Copy the version into `into` (a private snapshot) and check the copy; raises WeightError."""
+def copy_version(entry: VersionEntry, into: Path) -> None:
+    """Copy the version's registered files into `into` (a private snapshot), checking sizes and
+    digests of the copies; raises WeightError."""
     source = Path(entry.path)
     if not source.is_dir():
         raise WeightError(f"{source}: version directory is missing")
     refuse_unsafe(source)
     refuse_links(source)
-    present = {p.name for p in source.iterdir() if p.suffix == ".safetensors"}
-    if present != {d.name for d in entry.files}:
-        raise WeightError(f"{source}: safetensors files {sorted(present)} differ from the "
-                          f"registered {sorted(d.name for d in entry.files)}")
+    expected = {d.name for d in entry.files}
+    present = {p.name for p in source.iterdir() if p.suffix == ".safetensors" or p.name in expected}
+    if present != expected:
+        raise WeightError(f"{source}: files {sorted(present)} differ from the registered "
+                          f"{sorted(expected)}")
     into.mkdir(mode=0o700)
     for d in entry.files:
         _copy_checked(source / d.name, into / d.name, d)
+
+
+def check_version(entry: VersionEntry, base_schema: Schema | None, into: Path) -> None:
+    """Copy the version into `into` (a private snapshot) and check the copy; raises WeightError."""
+    if entry.kind != "full":
+        raise WeightError(f"version {entry.version} is an adapter on version {entry.base}, not "
+                          "full weights: it cannot be swapped in")
+    copy_version(entry, into)
     schema = snapshot_schema(into)
     if base_schema is not None:  # complete: every tensor the served model needs, right shapes
         check_compatible(schema, base_schema, f"version {entry.version}")
@@ -133,10 +144,13 @@ async def swap_to(worker: Worker, entry: VersionEntry, path: Path, mode: SwapMod
     """
     version, began = entry.version, time.monotonic()
     worker.state = "draining"
+    adapters = worker.adapters
     if mode == "drain":
         await worker.admission.close(lambda item: True)
-    else:  # groups the new version may not serve, or that cannot be continued exactly, finish first
-        await worker.admission.close(lambda item: not interruptible(item, version))
+    else:  # groups the new version may not serve, or that cannot be continued exactly, finish
+        # first; so do groups on adapters (an adapter applies on the weights being replaced)
+        await worker.admission.close(lambda item: not interruptible(item, version) or (
+            adapters is not None and id(item) in adapters.serving))
     phases = {"verify": verify_s, "drain": time.monotonic() - began}
     worker.state = "swapping"
     try:
@@ -167,6 +181,10 @@ class VersionFollower:
         self.snapshots = Snapshots(worker.worker_id)
         self.loaded: tuple[int, Path] | None = None
         """The version the engine serves from a snapshot of ours (None: the start-up weights)."""
+        self.adapters: ResidentAdapters | None = None
+        if getattr(worker.engine, "max_loras", 0):  # started with adapter support
+            self.adapters = worker.adapters = ResidentAdapters(worker, registry, self.snapshots,
+                                                               base_schema)
 
     async def run(self) -> None:
         """Until the worker stops (it ends by itself within `poll_s` of that).
@@ -192,17 +210,42 @@ class VersionFollower:
         newest = await self.registry.latest()
         self.worker.newest = newest
         engine = self.worker.engine
+        if self.adapters is not None:  # also notices adapters retention deregistered
+            await self.adapters.refresh(newest)
         if newest is None or newest <= engine.version or newest in self.worker.cannot_load:
             return
+        target = newest
         try:
-            await self._follow(newest)
+            target = await self._full_target(newest)
+            if target is not None and target > engine.version and target not in self.worker.cannot_load:
+                await self._follow(target)
         except RedisError:  # Redis trouble is not the version's fault: run() retries
             raise
         except Exception as e:  # a hostile file, a bug, the engine: whatever it is, the follower
             # must live on (else the worker never follows again) and never retry this version
-            self.worker.cannot_load.add(newest)
-            self.worker.last_error = f"version {newest} refused: {type(e).__name__}: {e}"
+            self.worker.cannot_load.add(target)
+            self.worker.last_error = f"version {target} refused: {type(e).__name__}: {e}"
             log.error("%s; still serving version %d", self.worker.last_error, engine.version)
+
+    async def _full_target(self, newest: int) -> int | None:
+        """The full version to swap to for the newest version (None: none). An adapter version
+        needs its base: swap to it if it is ahead, else serve the adapter beside it (loaded now,
+        before any group asks for it)."""
+        known = {} if self.adapters is None else self.adapters.entries
+        entry = known.get(newest) or await self.registry.get(newest)
+        if entry is None or entry.kind == "full":
+            return newest
+        engine, cannot_load = self.worker.engine, self.worker.cannot_load
+        if self.adapters is None or entry.base < engine.version:
+            cannot_load.add(newest)  # never servable here: no window waits for this worker on it
+            log.warning("version %d is an adapter on version %d: %s", newest, entry.base,
+                        "this worker has no adapter support (--enable-lora)" if self.adapters is None
+                        else f"this worker serves version {engine.version} already")
+            return None
+        if entry.base == engine.version:
+            await self.adapters.load(newest)
+            return None
+        return entry.base
 
     async def _follow(self, version: int) -> None:
         """Pin → snapshot and check → swap; the pin and snapshot of the version not served go."""
@@ -224,6 +267,8 @@ class VersionFollower:
                 old, self.loaded = self.loaded, (version, snapshot)
                 if old is not None:
                     await self._release(*old)
+                if self.adapters is not None:
+                    await self.adapters.rebase()
             else:
                 await self._release(version, snapshot)
 

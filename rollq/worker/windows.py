@@ -23,6 +23,8 @@ class Decision(enum.Enum):
 class Verdict:
     decision: Decision
     reason: str = ""
+    version: int | None = None
+    """SERVE with this adapter version (None: with the loaded full version)."""
 
 
 def in_window(item: WorkItem, version: int, newest: int) -> bool:
