@@ -12,7 +12,6 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -335,7 +334,7 @@ async def completions(request: web.Request) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), content_type=JSON)
 
 
-async def run_job(gw: Gateway, policy: str, who: Principal, job_id: str, groups: int, req: Any,
+async def run_job(gw: Gateway, policy: str, who: Principal, job_id: str, groups: int, req: oai.OpenAIRequest,
                   submit: Callable[[RolloutClient, str, dict], Awaitable[str]]) -> list[GroupResult]:
     """Submit one job as the caller's completions trainer and wait for all its groups' results
     (the OpenAI-compatible routes). `req` gives `timeout_s` and the version window; a caller

@@ -21,33 +21,19 @@ from rollq import __version__
 from rollq.engine.chat import check_tools
 from rollq.gateway.api import run_job
 from rollq.gateway.auth import allowed
+from rollq.gateway.completions import OpenAIRequest, shared_sampling
 from rollq.gateway.http import JSON, ApiError, read_body
 from rollq.gateway.state import GATEWAY
 from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling
 
 
-class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model: str
-    """The policy name."""
+class ChatCompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=True):
     messages: list[dict[str, Any]]
-    n: int = 1
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     """Takes precedence over `max_tokens`, as in vLLM; neither given: 256."""
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     """Only "none" (or absent): rollq returns text and does not parse tool calls."""
@@ -55,19 +41,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stream: bool = False
-    echo: bool = False
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
-    user: str | None = None
-    # rollq's own: the version window (see RolloutClient.submit) and how long to wait.
-    max_staleness: int | None = None
-    min_version: int | None = None
-    max_version: int | None = None
-    exact_version: int | None = None
-    timeout_s: float = 600.0
 
 
 def sampling_of(req: ChatCompletionRequest) -> Sampling:
@@ -81,18 +55,7 @@ def sampling_of(req: ChatCompletionRequest) -> Sampling:
     if req.top_logprobs and not req.logprobs:
         raise InvalidInput("top_logprobs", "needs logprobs=true")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    extra: dict[str, Any] = {}
-    if req.ignore_eos:
-        extra["ignore_eos"] = True
-    if req.min_tokens:
-        extra["min_tokens"] = req.min_tokens
-    given = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                 repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                 frequency_penalty=req.frequency_penalty, seed=req.seed, stop_token_ids=req.stop_token_ids,
-                 max_tokens=max_tokens)
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return Sampling(**{k: v for k, v in given.items() if v is not None}, logprobs=req.top_logprobs or 0,
-                    stop=stop, return_text=True, extra=extra)
+    return Sampling(**shared_sampling(req, max_tokens), logprobs=req.top_logprobs or 0, return_text=True)
 
 
 async def chat_completions(request: web.Request) -> web.Response:

@@ -30,13 +30,13 @@ from rollq.queue.scripts import Scripts
 log = logging.getLogger("rollq.gateway")
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class OpenAIRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What /v1/completions and /v1/chat/completions share: vLLM's sampling fields of both, and
+    rollq's version window."""
+
     model: str
     """The policy name."""
-    prompt: Any
-    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
     n: int = 1
-    max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -47,26 +47,49 @@ class CompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    stream: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
-    structured_outputs: dict[str, Any] | None = None
-    prompt_logprobs: int | None = None
-    """vLLM's: score the prompt, top N per position (`echo` with `logprobs` implies it)."""
+    echo: bool = False
+    stream: bool = False
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
     # rollq's own: the version window (see RolloutClient.submit) and how long to wait.
     max_staleness: int | None = None
     min_version: int | None = None
     max_version: int | None = None
     exact_version: int | None = None
     timeout_s: float = 600.0
+
+
+class CompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=True):
+    prompt: Any
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's: score the prompt, top N per position (`echo` with `logprobs` implies it)."""
+
+
+def shared_sampling(req: OpenAIRequest, max_tokens: int | None) -> dict[str, Any]:
+    """Sampling's arguments from the fields both routes share: those given, the allowed
+    `extra` switches, stop strings as a list."""
+    given = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                 repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                 frequency_penalty=req.frequency_penalty, seed=req.seed, stop_token_ids=req.stop_token_ids,
+                 max_tokens=max_tokens)
+    extra: dict[str, Any] = {}
+    if req.ignore_eos:
+        extra["ignore_eos"] = True
+    if req.min_tokens:
+        extra["min_tokens"] = req.min_tokens
+    # Stop strings are matched on the worker, on text vLLM decodes there (the worker needs a tokenizer).
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return {k: v for k, v in given.items() if v is not None} | dict(extra=extra, stop=stop)
 
 
 def prompts_of(prompt: Any) -> list[list[int] | str]:
@@ -95,24 +118,13 @@ def sampling_of(req: CompletionRequest) -> Sampling:
         if set(req.structured_outputs) - {"regex"}:
             raise InvalidInput("structured_outputs", "only {'regex': ...} is supported")
         regex = req.structured_outputs["regex"]
-    extra: dict[str, Any] = {}
-    if req.ignore_eos:
-        extra["ignore_eos"] = True
-    if req.min_tokens:
-        extra["min_tokens"] = req.min_tokens
-    given = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                 repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                 frequency_penalty=req.frequency_penalty, seed=req.seed, stop_token_ids=req.stop_token_ids,
-                 max_tokens=req.max_tokens if req.max_tokens is not None else 16)
-    # Stop strings are matched on the worker, on text vLLM decodes there (the worker needs a tokenizer).
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo:  # as vLLM: echoed logprobs cover the prompt too
         prompt_logprobs = req.logprobs
     # A worker whose model has a tokenizer decodes (vLLM's own text and token strings, as its
     # server gives them); one without serves token ids and the text is the gateway's.
-    return Sampling(**{k: v for k, v in given.items() if v is not None}, logprobs=req.logprobs or 0,
-                    regex=regex, extra=extra, stop=stop, prompt_logprobs=prompt_logprobs,
+    return Sampling(**shared_sampling(req, req.max_tokens if req.max_tokens is not None else 16),
+                    logprobs=req.logprobs or 0, regex=regex, prompt_logprobs=prompt_logprobs,
                     text_if_tokenizer=True)
 
 
