@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
 from rollq.queue.keys import Keys
-from rollq.worker.heartbeat import live_workers
+from rollq.queue.workers import live_workers
 
 MODEL = dict(hidden=1024, layers=8, vocab=8192, intermediate=2816)
 POLICY = "swap"

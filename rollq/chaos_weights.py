@@ -47,7 +47,7 @@ from rollq.chaos_reference import WEIGHT_SETS, Reference, WeightSets, make_tiny_
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
 from rollq.protocol import GroupResult
-from rollq.worker.heartbeat import live_workers
+from rollq.queue.workers import live_workers
 from rollq.worker.pool import reap_group
 
 POLICY = "chaos-weights"

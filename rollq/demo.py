@@ -130,7 +130,7 @@ def worker_process(redis_url: str, policy: str, model: Path, log_path: Path, cpu
 async def wait_for_worker(redis_url: str, policy: str, proc, timeout_s: float, log: Path) -> None:
     from rollq.queue.connection import connect
     from rollq.queue.keys import Keys
-    from rollq.worker.heartbeat import live_workers
+    from rollq.queue.workers import live_workers
 
     redis = connect(redis_url)
     try:

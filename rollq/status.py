@@ -11,7 +11,7 @@ from rich.table import Table
 
 from rollq.queue.keys import WORKERS_GROUP, Keys
 from rollq.registry.versions import Registry
-from rollq.worker.heartbeat import WorkerState, live_workers
+from rollq.queue.workers import WorkerState, live_workers
 
 
 class TrainerQueue(msgspec.Struct):

@@ -26,7 +26,7 @@ from redis.cluster import key_slot
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
 from rollq.queue.keys import Keys
-from rollq.worker.heartbeat import live_workers
+from rollq.queue.workers import live_workers
 
 NODE_TIMEOUT_MS = 1500
 """How long a primary may be silent before its replica takes over (redis default: 15 s)."""

@@ -10,7 +10,7 @@ import pytest
 from conftest import engine_flags
 from helpers import collect, wait_until
 
-from rollq.worker.heartbeat import live_workers
+from rollq.queue.workers import live_workers
 
 # The fixtures come from swap_fixtures (imported: tests/conftest.py is not ours to grow).
 from swap_fixtures import (GREEDY, PROMPTS, Reference, engine_v1, follower,  # noqa: F401

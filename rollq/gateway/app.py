@@ -28,7 +28,7 @@ from rollq.gateway.state import GATEWAY, PUBLISH_PROCESSES, Gateway, GatewaySett
 from rollq.queue.connection import connect
 from rollq.queue.jobs import JobStatus
 from rollq.status import PolicyStatus
-from rollq.worker.heartbeat import WorkerState
+from rollq.queue.workers import WorkerState
 
 log = logging.getLogger("rollq.gateway")
 STATIC = Path(__file__).parent / "static"

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from rollq.queue.keys import Keys
 from rollq.status import PolicyStatus, policies, policy_status
-from rollq.worker.stats import LAG_BUCKETS, Totals
+from rollq.queue.workers import LAG_BUCKETS, Totals
 
 SERIES_POINTS = 900
 """Dashboard history: 15 minutes at one point per second."""

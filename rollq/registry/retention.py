@@ -21,7 +21,7 @@ from rollq.queue.keys import Keys
 from rollq.registry.safetensors_check import WeightError
 from rollq.registry.store import WeightStore
 from rollq.registry.versions import Registry
-from rollq.worker.heartbeat import live_workers
+from rollq.queue.workers import live_workers
 
 log = logging.getLogger("rollq.registry")
 

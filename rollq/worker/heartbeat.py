@@ -1,4 +1,4 @@
-"""Worker heartbeats: one short-lived key per worker, listed in a sorted set by last beat."""
+"""A worker's heartbeat, the writing side (the record and its readers: `queue/workers.py`)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollq.queue.keys import Keys
+from rollq.queue.workers import Totals, WorkerState
 from rollq.registry.versions import Registry
-from rollq.worker.stats import Totals
-
-
-class WorkerState(msgspec.Struct, frozen=True):
-    worker_id: str
-    version: int
-    inflight: int
-    state: str
-    """`serving`, `draining` / `swapping` (a weight swap), or `stopping`."""
-    at: float
-    last_error: str = ""
-    pinned: bool = False
-    totals: Totals = msgspec.field(default_factory=Totals)
-    target: int | None = None
-    """The version this worker is verifying, draining toward or loading (None: no swap)."""
 
 
 class Heartbeat:
@@ -71,24 +57,3 @@ class Heartbeat:
                 await pipe.execute()
         except RedisError:  # best effort on the way out; the key expires anyway
             pass
-
-
-async def live_workers(redis: Redis, keys: Keys) -> list[WorkerState]:
-    ids = await redis.zrange(keys.workers, 0, -1)
-    if not ids:
-        return []
-    beats = await redis.mget([keys.worker(i.decode()) for i in ids])
-    return [msgspec.json.decode(b, type=WorkerState) for b in beats if b]
-
-
-PINNED_GRACE_S = 300.0
-"""How long a version stays servable after its last pinned worker's last beat: long enough for a
-pinned vLLM worker to restart and load its version on a CPU (minutes), short enough that groups
-for a version nobody will serve again fail within a few minutes."""
-
-
-async def recently_pinned(redis: Redis, keys: Keys, within_s: float = PINNED_GRACE_S) -> set[int]:
-    """Versions a pinned worker served within `within_s` (it may be restarting)."""
-    since = time.time() - within_s
-    await redis.zremrangebyscore(keys.pinned_versions, "-inf", f"({since}")
-    return {int(v) for v in await redis.zrangebyscore(keys.pinned_versions, since, "+inf")}

@@ -26,7 +26,8 @@ from rollq.queue.connection import unreachable
 from rollq.queue.work import Claimed, WorkQueue
 from rollq.registry.versions import Registry
 from rollq.worker.admission import Admission
-from rollq.worker.heartbeat import Heartbeat, live_workers, recently_pinned
+from rollq.queue.workers import live_workers, recently_pinned
+from rollq.worker.heartbeat import Heartbeat
 from rollq.worker.resident import ResidentAdapters
 from rollq.worker.stats import WorkerStats
 from rollq.worker.windows import Decision, Verdict, decide, in_window

@@ -7,45 +7,14 @@ from __future__ import annotations
 import collections
 import time
 
-import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rollq.protocol import GroupResult
+from rollq.queue.workers import LAG_BUCKETS, Failure, Totals
 
 RECENT_FAILURES = 10
 """Failed or expired groups a heartbeat carries (newest last) for the dashboard."""
-LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
-
-
-class Failure(msgspec.Struct, array_like=True, frozen=True):
-    at: float
-    job_id: str
-    group_index: int
-    status: str
-    reason: str
-
-
-class Totals(msgspec.Struct):
-    """Running totals since the worker started (they reset when it restarts)."""
-
-    groups: dict[str, int] = {}
-    """Terminal results written, by status."""
-    samples: int = 0
-    tokens: int = 0
-    """Completion tokens of `ok` results."""
-    lag: dict[int, int] = {}
-    """Samples by policy-version lag: newest version when finished - oldest version of the sample."""
-    swaps: int = 0
-    swap_failures: int = 0
-    swap_s: float = 0.0
-    last_swap: dict[str, float] = {}
-    """Seconds per phase of the latest swap: verify, drain, pause, load, resume."""
-    reclaims: int = 0
-    dead_letters: int = 0
-    errors: int = 0
-    """Groups handed back after an unexpected error."""
-    failures: list[Failure] = []
 
 
 class WorkerStats:
