@@ -176,12 +176,36 @@ async def test_get_sequence_logprobs_of_greedy_sequences_equal_transformers(trl_
 @pytest.mark.xfail(raises=TypeError, strict=True, reason=(
     "a scored token outside the top N has rank null in rollq's prompt_logprobs (ranks do not travel "
     "from the worker; vLLM sends the exact rank) and TRL 1.16 sorts the entries by rank; "
-    "rollq.integrations.trl.RollqVLLMClient sorts such entries last (tests/test_trl_grpo.py)"))
+    "rollq.integrations.trl.RollqVLLMClient sorts such entries last (the next test)"))
 async def test_get_sequence_logprobs_of_sampled_sequences(trl_client, chat_reference):
     model, _ = chat_reference
     sampled = await asyncio.to_thread(trl_client.generate, PROMPTS, temperature=1.5, max_tokens=6,
                                       generation_kwargs={"seed": 5})
     assert await _score(trl_client, model, sampled["completion_ids"], top_n=4) > 0
+
+
+async def test_rollqs_client_scores_sampled_sequences(trl_client, chat_reference):
+    from rollq.integrations.trl import RollqVLLMClient
+
+    model, _ = chat_reference
+    client = await asyncio.to_thread(RollqVLLMClient, trl_client.base_url, publisher=None)
+    sampled = await asyncio.to_thread(client.generate, PROMPTS, temperature=1.5, max_tokens=6,
+                                      generation_kwargs={"seed": 5})
+    assert await _score(client, model, sampled["completion_ids"], top_n=4) > 0
+    client.session.close()
+
+
+async def test_rollqs_client_generates_on_the_version_it_published_only(trl_client):
+    from rollq.integrations.trl import RollqVLLMClient
+
+    client = await asyncio.to_thread(RollqVLLMClient, trl_client.base_url, publisher=None)
+    out = await asyncio.to_thread(client.generate, PROMPTS, max_tokens=2)  # nothing published: any version
+    assert client.policy_versions == [[(0, 0)], [(0, 0)]] and len(out["completion_ids"]) == 2
+    client.version = 7  # as if it had published 7, which no worker serves
+    with pytest.raises(Exception, match="504") as waited:
+        await asyncio.to_thread(client.generate, PROMPTS, max_tokens=2, generation_kwargs={"timeout_s": 2})
+    assert "expired" in str(waited.value)
+    client.session.close()
 
 
 async def test_pool_endpoints_trl_reads(trl_client, policy):
