@@ -44,6 +44,11 @@ from trl.generation.vllm_client import VLLMClient
 WINDOW_FIELDS = ("exact_version", "min_version", "max_version", "max_staleness")
 
 
+def host_copies(named_params: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    # Convert TRL's stream of (vLLM name, tensor) --> one state_dict: one registry version.
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in named_params}
+
+
 @dataclass
 class Generation:
     """One `generate` or `chat` call as served: the version asked for and, per completion, its
@@ -119,11 +124,13 @@ class RollqVLLMClient(VLLMClient):
 
     def update_named_params(self, metadata: list[tuple[str, str, list[int]]],
                             named_params: Iterator[tuple[str, torch.Tensor]]) -> None:
-        # Convert TRL's stream of (vLLM name, tensor) --> one state_dict, one registry version.
-        tensors = {name: tensor.detach().to("cpu", copy=True) for name, tensor in named_params}
-        expected = [name for name, _, _ in metadata]
-        if sorted(tensors) != sorted(expected):
-            raise ValueError(f"TRL announced {len(expected)} tensors and streamed {len(tensors)}")
+        tensors = host_copies(named_params)
+        if sorted(tensors) != sorted(name for name, _, _ in metadata):
+            raise ValueError(f"TRL announced {len(metadata)} tensors and streamed {len(tensors)}")
+        self.publish(tensors)
+
+    def publish(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Register `tensors` as the policy's next version (waits until registered); returns it."""
         latest = self.latest_version()
         version = 1 if latest is None else latest + 1
         self.publisher.publish_weights(version, tensors, keep=self.keep)
@@ -132,6 +139,7 @@ class RollqVLLMClient(VLLMClient):
                 f"published version {version}, but the gateway's policy {self.model!r} does not list it: "
                 "the publisher (SyncRolloutClient) must be of the same policy and Redis as the gateway")
         self.version = version
+        return version
 
     def update_named_param(self, name: str, weights: torch.Tensor) -> None:
         raise NotImplementedError("a rollq version is a whole model: publish all tensors at once "
@@ -212,3 +220,27 @@ class RollqGRPOTrainer(GRPOTrainer):
     def rollq_client(self) -> RollqVLLMClient:
         """The main process's client: its `generations` hold every sample's version segments."""
         return self.vllm_generation.vllm_client
+
+
+class RollqWeightTransfer:
+    """`weight_transfer` for TRL's experimental `AsyncGRPOTrainer`: each sync publishes the next
+    registry version through `client` (a `RollqVLLMClient`); nothing is paused, since other
+    trainers share the pool and each worker swaps by its own `--swap-mode`."""
+
+    def __init__(self, client: RollqVLLMClient):
+        self.client = client
+
+    def init_weight_transfer(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.client.publish(host_copies(iterator))
+
+    def resume(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass
