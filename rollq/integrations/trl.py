@@ -131,6 +131,9 @@ class RollqVLLMClient(VLLMClient):
 
     def publish(self, tensors: dict[str, torch.Tensor]) -> int:
         """Register `tensors` as the policy's next version (waits until registered); returns it."""
+        if self.publisher is None:
+            raise RuntimeError("this RollqVLLMClient has no publisher: give it a SyncRolloutClient of the "
+                               "policy to sync weights")
         latest = self.latest_version()
         version = 1 if latest is None else latest + 1
         self.publisher.publish_weights(version, tensors, keep=self.keep)
