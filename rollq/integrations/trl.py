@@ -80,7 +80,7 @@ class RollqVLLMClient(VLLMClient):
 
     def __init__(self, base_url: str | None = None, *, publisher: Any, api_key: str | None = None,
                  keep: int | None = None, history: int = 16, **trl_kwargs: Any):
-        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.auth_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.publisher, self.keep = publisher, keep
         self.version: int | None = None
         """The version last published by this client (None: none yet, any version serves)."""
@@ -97,7 +97,7 @@ class RollqVLLMClient(VLLMClient):
 
     @session.setter
     def session(self, session: requests.Session) -> None:
-        session.headers.update(self._auth)
+        session.headers.update(self.auth_headers)
         self._session = session
 
     @property
