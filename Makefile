@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # cpu: vLLM's CPU build + torch 2.13.0 (CPU wheel where pip can find one) for the engine tests.
-EXTRAS ?= test,test-ml,cpu,demo,bench
+EXTRAS ?= test,test-ml,cpu,demo,bench,trl
 
 .PHONY: setup system-packages lint test test-queue demo clean
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rollq.gateway import api
+from rollq.gateway import api, trl_compat
 from rollq.gateway.chat import ChatCompletionRequest, chat_completions
 from rollq.gateway.completions import CompletionRequest
 from rollq.gateway.http import BODY_BUDGET, BODY_TIMEOUT, ApiError, BodyBudget, bounded_bodies, errors
@@ -98,6 +98,17 @@ ROUTES = [
     Route("POST", "/v1/chat/completions", chat_completions,
           "OpenAI/vLLM-compatible chat completions via the queue (rendered on the workers)", "openai",
           body=ChatCompletionRequest, errors=(400, 401, 403, 409, 413, 429, 504)),
+    # What TRL's VLLMClient calls beside the OpenAI routes (gateway/trl_compat.py).
+    Route("GET", "/get_world_size", trl_compat.world_size, "vLLM's: the policy's live workers", "trl",
+          errors=(400, 401, 403)),
+    Route("POST", "/reset_prefix_cache", trl_compat.reset_prefix_cache,
+          "vLLM's: a no-op (workers reset their prefix cache at every swap)", "trl", errors=(400, 401, 403)),
+    Route("GET", "/server_info", trl_compat.server_info,
+          "vLLM's: the parts of its config TRL reads, and the pool's versions and workers", "trl",
+          query=(Param("config_format", "json", enum=("json",)),), errors=(400, 401, 403)),
+    *(Route("POST", path, trl_compat.publish_instead,
+            "vLLM's weight transfer / pause: refused, publish through the registry", "trl",
+            public=True, errors=(400,)) for path in trl_compat.NCCL_PATHS),
     Route("GET", "/health", api.health, "200 when the gateway and its Redis are up", "operations",
           public=True, media="", errors=(503,)),
     # Behind a token by default: they name every trainer and show failure reasons.
