@@ -173,11 +173,9 @@ async def test_get_sequence_logprobs_of_greedy_sequences_equal_transformers(trl_
     assert await _score(trl_client, model, completions, top_n=4) == 0
 
 
-@pytest.mark.xfail(raises=TypeError, strict=True, reason=(
-    "a scored token outside the top N has rank null in rollq's prompt_logprobs (ranks do not travel "
-    "from the worker; vLLM sends the exact rank) and TRL 1.16 sorts the entries by rank; "
-    "rollq.integrations.trl.RollqVLLMClient sorts such entries last (the next test)"))
 async def test_get_sequence_logprobs_of_sampled_sequences(trl_client, chat_reference):
+    """Scored tokens outside the top N carry vLLM's exact rank (`Sample.token_ranks`), which TRL
+    1.16 sorts by; with rank null (workers before token_ranks) TRL raised TypeError."""
     model, _ = chat_reference
     sampled = await asyncio.to_thread(trl_client.generate, PROMPTS, temperature=1.5, max_tokens=6,
                                       generation_kwargs={"seed": 5})

@@ -29,7 +29,7 @@ from rollq.gateway.state import GATEWAY
 from rollq.queue.keys import Keys
 from rollq.registry.versions import Registry
 from rollq.status import policies
-from rollq.worker.heartbeat import live_workers
+from rollq.queue.workers import live_workers
 
 WORKER_LOGPROBS_MODE = "processed_logprobs"
 """`rollq worker --logprobs-mode`'s default, reported as the pool's: workers do not report theirs."""

@@ -12,8 +12,8 @@ which a shared pool cannot take. `RollqVLLMClient` is TRL's client with the weig
   `generation_kwargs` name a window of their own), so every token TRL trains on comes from the
   weights it synced; each call's per-sample version segments are kept (`policy_versions`,
   `generations`) since TRL has no place for them.
-- `_format_sequence_logprobs`: tokens outside the top N carry rank null in rollq's
-  `prompt_logprobs` (ranks do not travel from workers); they are ordered after the ranked ones.
+- `_format_sequence_logprobs`: tokens outside the top N carry rank null in `prompt_logprobs`
+  from workers older than `Sample.token_ranks`; they are ordered after the ranked ones.
 
 Everything else (`generate`'s payload, logprob parsing, `reset_prefix_cache`) is TRL's own code.
 `serve_from_rollq` makes TRL build this client instead of its own; `RollqGRPOTrainer` is
