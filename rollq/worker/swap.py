@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -179,6 +180,9 @@ class VersionFollower:
         self.base_schema = base_schema
         self.poll_s = poll_s
         self.snapshots = Snapshots(worker.worker_id)
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="rollq-version-check")
+        """The snapshot copy and check run here, not in the loop's default executor: a new
+        version's check must not queue behind whatever else the process runs in threads."""
         self.loaded: tuple[int, Path] | None = None
         """The version the engine serves from a snapshot of ours (None: the start-up weights)."""
         self.adapters: ResidentAdapters | None = None
@@ -194,17 +198,20 @@ class VersionFollower:
         that lands as such a timeout fires can be lost, which hung a worker's shutdown.
         """
         last = "$"
-        while not self.worker.stopping:
-            try:
-                await self.catch_up()
-                reply = await self.registry.redis.xread(
-                    {self.registry.keys.version_events: last}, count=100,
-                    block=max(1, int(self.poll_s * 1000)))
-                for _, entries in reply or []:
-                    last = entries[-1][0]
-            except RedisError as e:
-                log.warning("reading new versions failed (%s); retrying", e)
-                await asyncio.sleep(self.poll_s)
+        try:
+            while not self.worker.stopping:
+                try:
+                    await self.catch_up()
+                    reply = await self.registry.redis.xread(
+                        {self.registry.keys.version_events: last}, count=100,
+                        block=max(1, int(self.poll_s * 1000)))
+                    for _, entries in reply or []:
+                        last = entries[-1][0]
+                except RedisError as e:
+                    log.warning("reading new versions failed (%s); retrying", e)
+                    await asyncio.sleep(self.poll_s)
+        finally:
+            self._checker.shutdown(wait=False)
 
     async def catch_up(self) -> None:
         newest = await self.registry.latest()
@@ -258,7 +265,8 @@ class VersionFollower:
         snapshot, served = self.snapshots.new(version), False
         try:
             checking = time.monotonic()
-            await asyncio.to_thread(check_version, entry, self.base_schema, snapshot)
+            await asyncio.get_running_loop().run_in_executor(
+                self._checker, check_version, entry, self.base_schema, snapshot)
             served = await swap_to(self.worker, entry, snapshot, self.mode,
                                    verify_s=time.monotonic() - checking)
         finally:
