@@ -390,14 +390,14 @@ class VLLMEngine:
 
     async def _load_or_restore(self, version: int, path: str) -> None:
         try:
-            await self._load(path)
+            await self._load(path, version)
         except Exception as e:
             # vLLM moves the layers to the meta device before reading: a load that fails half
             # way leaves no weights at all, so the old ones must come back before anything runs.
             log.exception("loading version %d failed; loading version %d back from %s", version,
                           self._version, self._weights_path)
             try:
-                await self._load(self._weights_path)
+                await self._load(self._weights_path, self._version)
             except Exception as again:
                 self._dead = (f"version {version} failed to load ({e}) and version {self._version} "
                               f"could not be loaded back ({again})")
@@ -405,11 +405,16 @@ class VLLMEngine:
                 raise EngineDead(self._dead) from again
             raise
 
-    async def _load(self, path: str) -> None:
+    async def _load(self, path: str, version: int) -> None:
         """reload_weights, then one greedy probe token (generation resumed just for it): vLLM only
-        warns about tensors it did not load, so an incomplete load shows as a non-finite logprob."""
+        warns about tensors it did not load, so an incomplete load shows as a non-finite logprob.
+
+        The label changes before the resume: requests sent before the pause whose adds vLLM
+        queued while paused run during the probe, on the weights just loaded (a weight-fault
+        chaos run caught them labelled with the old version)."""
         llm = self.llm
         await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        await llm.update_weight_version(str(version))
         await llm.resume_generation()
         try:
             logprob = await self._probe()
@@ -419,7 +424,8 @@ class VLLMEngine:
             raise RuntimeError(f"weights loaded from {path} give a logprob of {logprob}")
 
     async def _probe(self) -> float:
-        """Our other requests wait for the swap to end (`_request`): only this one runs."""
+        """New requests wait for the swap to end (`_request`); ones vLLM queued while paused may
+        run beside this one (labelled with the version just loaded, see `_load`)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
