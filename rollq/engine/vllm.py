@@ -372,9 +372,8 @@ class VLLMEngine:
         try:
             await llm.pause_generation(mode="abort" if interrupt else "wait", clear_cache=True)
             lap("pause")
-            await self._load_or_restore(version, path)
+            await self._load_or_restore(version, path)  # labels the loaded version too
             lap("load")
-            await llm.update_weight_version(str(version))
             self._version, self._weights_path, self._labelled = version, path, True
             await llm.reset_prefix_cache()
         finally:
