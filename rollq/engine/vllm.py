@@ -160,6 +160,10 @@ class VLLMEngine:
         self._swaps_begun = 0
         self._swaps_done = 0
         self._swap_done = asyncio.Event()
+        self._adding = 0
+        """Requests past the swap gate whose add vLLM has not taken yet (see `_request`)."""
+        self._no_adds = asyncio.Event()
+        self._no_adds.set()
         self._dead = ""
         """Why the engine can serve no more (a failed load whose fallback failed too)."""
         self._chat = ChatRenderer(llm, has_tokenizer)
@@ -329,10 +333,27 @@ class VLLMEngine:
         version, epoch, final = self._version, self._swaps_begun, None
         lora_request = self._no_adapter if adapter is None else adapter.request()
         try:
-            # vLLM aborts the request itself when this task is cancelled, and re-raises.
-            async for output in self.llm.generate(prompt, params, request_id=request_id,
-                                                  lora_request=lora_request):
-                final = output
+            # What AsyncLLM.generate does, with the add counted: vLLM awaits its input
+            # processing before the add reaches the engine core, and an add that arrives while
+            # a swap has paused vLLM is queued and runs when the swap resumes generation for its
+            # probe token, on weights just loaded or failing their probe (a chaos run caught such
+            # requests labelled with the old version). A swap waits for counted adds before
+            # it pauses (`swap`).
+            self._adding += 1
+            self._no_adds.clear()
+            try:
+                outputs = await self.llm.add_request(request_id, prompt, params,
+                                                     lora_request=lora_request)
+            finally:
+                self._adding -= 1
+                if not self._adding:
+                    self._no_adds.set()
+            try:
+                while final is None or not final.finished:
+                    final = outputs.get_nowait() or await outputs.get()
+            except asyncio.CancelledError:
+                await self.llm.abort(request_id)  # as generate() does when its caller goes
+                raise
         except EngineDeadError as e:
             raise EngineDead(str(e)) from e
         except (VLLMClientError, ValueError, TypeError) as e:  # this request's fault, not the engine's
@@ -361,7 +382,7 @@ class VLLMEngine:
         seconds per phase: pause (running requests finish or are cut), load (vLLM reads the files
         into the model, one probe token), resume (version label, prefix cache reset, resumed)."""
         llm = self.llm
-        self._swaps_begun += 1
+        self._swaps_begun += 1  # closes the gate in `_request`
         phases, mark = {}, time.monotonic()
 
         def lap(phase: str) -> None:
@@ -370,6 +391,9 @@ class VLLMEngine:
             phases[phase], mark = now - mark, now
 
         try:
+            # Requests that passed the gate before it closed reach vLLM before the pause, so the
+            # pause drains or cuts them, and nothing but the probe runs on unproven weights.
+            await self._no_adds.wait()
             await llm.pause_generation(mode="abort" if interrupt else "wait", clear_cache=True)
             lap("pause")
             await self._load_or_restore(version, path)  # labels the loaded version too
@@ -408,9 +432,13 @@ class VLLMEngine:
         """reload_weights, then one greedy probe token (generation resumed just for it): vLLM only
         warns about tensors it did not load, so an incomplete load shows as a non-finite logprob.
 
-        The label changes before the resume: requests sent before the pause whose adds vLLM
-        queued while paused run during the probe, on the weights just loaded (a weight-fault
-        chaos run caught them labelled with the old version)."""
+        The probe runs alone: `swap` pauses only once every add past its gate has landed, so no
+        request of ours waits in vLLM's paused queue to run beside it. One that did ran on the
+        unproven weights, labelled with the old version; on weights failing the probe it wrote
+        NaN into KV blocks, and vLLM's CPU attention reads whole blocks, so the restored weights
+        answered NaN too and the engine was lost (tests/test_swap_labels_vllm.py). The probe's
+        own single token leaves NaN only in a block's first slot, which every later user of the
+        block writes before it reads. The label changes before the resume all the same."""
         llm = self.llm
         await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
         await llm.update_weight_version(str(version))
@@ -423,8 +451,7 @@ class VLLMEngine:
             raise RuntimeError(f"weights loaded from {path} give a logprob of {logprob}")
 
     async def _probe(self) -> float:
-        """New requests wait for the swap to end (`_request`); ones vLLM queued while paused may
-        run beside this one (labelled with the version just loaded, see `_load`)."""
+        """One greedy token of prompt [0] on the weights just loaded (see `_load`)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
