@@ -52,7 +52,7 @@ from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
 from rollq.registry.adapters import is_adapter_dir
 from rollq.registry.commit import commit_version
-from rollq.registry.sources import adapter_of, tensors_of
+from rollq.registry.sources import adapter_of, gathered, is_sharded, tensors_of
 from rollq.registry.store import WeightStore, adapter_files, digest_dir
 from rollq.registry.versions import Registry
 
@@ -500,6 +500,9 @@ class RolloutClient:
         is not held up by them. Publishes register in the order they were made, waited for or
         not; one that fails (its task raises) does not stop the next.
 
+        Sharded models (FSDP2 / DTensor parameters): call it on every rank, like any collective;
+        the full tensors are gathered to rank 0, which publishes, and the other ranks return None.
+
         `adapter_on=B`: publish an adapter version instead, served on top of the full version B
         (0: the model workers start with) by workers started with adapter support, beside other
         adapters and without a swap. `source` is then a PEFT model (its active LoRA adapter) or
@@ -515,6 +518,10 @@ class RolloutClient:
         elif isinstance(source, (str, os.PathLike)) and is_adapter_dir(Path(source)):
             raise InvalidInput("adapter_on", f"{source} is a LoRA adapter: publish it with "
                                              "adapter_on=<the full version it applies on>")
+        elif not isinstance(source, (str, os.PathLike)) and is_sharded(source):
+            source = await asyncio.to_thread(gathered, source)  # a collective: every rank
+            if source is None:  # not rank 0: rank 0 publishes
+                return None
         elif not wait and not isinstance(source, (str, os.PathLike)):
             source = await asyncio.to_thread(tensors_of, source, own=True)
         task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy,

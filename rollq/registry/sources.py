@@ -1,6 +1,7 @@
 """What a trainer publishes -> tensors named as vLLM loads them.
 
-Accepted: a `state_dict`, a Hugging Face model, or a PEFT model. PEFT adapters are merged into
+Accepted: a `state_dict`, a Hugging Face model, or a PEFT model; sharded ones too (FSDP2 /
+DTensor parameters: `gathered`). PEFT adapters are merged into
 a copy of the weights (base + each active adapter's delta), never into the trainer's model
 (merging and unmerging in place would leave rounding errors in its base weights), and names are
 cleaned:
@@ -71,6 +72,41 @@ def tensors_of(source: Any, *, own: bool = False) -> dict[str, Any]:
         return saveable(source.state_dict(), own=own)
     raise TypeError(f"cannot publish a {type(source).__name__}: give a directory of safetensors, "
                     "a state_dict or a model")
+
+
+def is_sharded(source: Any) -> bool:
+    """Whether `source` (a model or state_dict) holds DTensors, as FSDP2 and tensor-parallel
+    models do: every rank holds a piece of each tensor."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support shards nothing
+        return False
+    if isinstance(source, dict):
+        values = source.values()
+    elif hasattr(source, "state_dict") and not _is_peft(source):
+        values = source.parameters() if hasattr(source, "parameters") else source.state_dict().values()
+    else:
+        return False
+    return any(isinstance(t, DTensor) for t in values)
+
+
+def gathered(source: Any) -> dict[str, Any] | None:
+    """A sharded model's or state_dict's full tensors on rank 0, None on the other ranks.
+
+    Every rank must call it, as for any collective: each DTensor is all-gathered in the
+    state_dict's order (the same on every rank), one at a time, and the ranks other than 0 drop
+    each full tensor at once, so only rank 0 ever holds the whole model (on CPU)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    state = source if isinstance(source, dict) else source.state_dict()
+    keep = dist.get_rank() == 0
+    out = {}
+    for name, t in state.items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            out[name] = full.detach().to("cpu").clone()
+    return saveable(clean_peft_names(out)) if keep else None
 
 
 def adapter_of(model: Any) -> tuple[dict[str, Any], bytes]:
