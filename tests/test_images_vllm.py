@@ -123,3 +123,30 @@ async def test_hostile_images_fail_their_group_and_disturb_nothing(make_client, 
     _, completion = reference.greedy(PROMPT, [good], MAX_TOKENS)
     assert [s.token_ids for s in results[-1].samples] == [completion]
     assert vlm_worker[0].engine.alive
+
+
+async def test_gateway_jobs_carry_token_prompts_with_images(make_gateway, vlm_worker, reference, policy):
+    import aiohttp
+
+    image = noise_image(5)
+    prompt_ids = reference.processor.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    gw = await make_gateway()
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
+        jobs = f"/v1/policies/{policy}/jobs"
+        body = {"prompts": [prompt_ids], "sampling": {"temperature": 0, "max_tokens": MAX_TOKENS},
+                "images": [[data_url(encoded(image))]]}
+        async with http.post(jobs, json=body) as r:
+            assert r.status == 201, await r.text()
+        got = []
+        while not got:
+            async with http.get(f"/v1/policies/{policy}/results", params={"wait_ms": "5000"}) as r:
+                got = (await r.json())["results"]
+        [result] = got
+        _, expected = reference.greedy(PROMPT, [image], MAX_TOKENS)
+        assert result["status"] == "ok", result["reason"]
+        assert result["samples"][0]["token_ids"] == expected
+        assert result["image_tokens"] == IMAGE_PROMPT_TOKENS
+        body["images"] = [[data_url(hostile_images()["svg"])]]
+        async with http.post(jobs, json=body) as r:
+            error = (await r.json())["error"]
+            assert r.status == 400 and error["field"] == "images[0][0]" and "an SVG file" in error["message"]
