@@ -29,7 +29,8 @@ import blake3
 import msgspec
 from PIL import Image, UnidentifiedImageError
 
-from rollq.protocol import (MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, Chat, InvalidInput)
+from rollq.protocol import (MAX_GROUP_PIXELS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, Chat,
+                            InvalidInput)
 from rollq.queue.keys import Keys
 
 FORMATS = ("PNG", "JPEG", "WEBP")
@@ -117,6 +118,12 @@ def _looks_like(head: bytes) -> str:
     return next((name for magic, name in _MAGIC if head.startswith(magic)), "")
 
 
+def check_group_pixels(sizes: list[tuple[int, int]], field: str) -> None:
+    total = sum(w * h for w, h in sizes)
+    if total > MAX_GROUP_PIXELS:
+        raise InvalidInput(field, f"its images have {total} pixels together; the limit is {MAX_GROUP_PIXELS}")
+
+
 def _first_line(e: Exception) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
@@ -134,7 +141,7 @@ def group_images(images: Any, field: str, found: dict[str, bytes | None]) -> lis
         raise InvalidInput(field, "must be a list of images (bytes of PNG/JPEG/WebP files or ImageRefs)")
     if len(images) > MAX_IMAGES:
         raise InvalidInput(field, f"{len(images)} images in one group; the limit is {MAX_IMAGES}")
-    digests = []
+    digests, sizes = [], []
     for i, image in enumerate(images):
         if isinstance(image, ImageRef):
             if not re.fullmatch(r"[0-9a-f]{64}", image.digest):
@@ -142,11 +149,12 @@ def group_images(images: Any, field: str, found: dict[str, bytes | None]) -> lis
             found.setdefault(image.digest, None)
             digests.append(image.digest)
             continue
-        check_image(image, f"{field}[{i}]")
+        sizes.append(check_image(image, f"{field}[{i}]")[1:])
         data = bytes(image)
         digest = digest_of(data)
         found[digest] = data
         digests.append(digest)
+    check_group_pixels(sizes, field)  # references are checked by the worker
     return digests
 
 
@@ -155,6 +163,7 @@ def chat_images(messages: list[dict[str, Any]], field: str,
     """A conversation whose `image_url` parts hold data URLs -> the same conversation with
     `rollq-image:<digest>` URLs (a copy; the caller's stays), and the digests in order."""
     digests: list[str] = []
+    sizes: list[tuple[int, int]] = []
     out = copy.deepcopy(messages)
     for m, message in enumerate(out):
         content = message.get("content") if isinstance(message, dict) else None
@@ -170,13 +179,14 @@ def chat_images(messages: list[dict[str, Any]], field: str,
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             data = from_data_url(url, f"{at}.image_url.url")
-            check_image(data, f"{at}.image_url.url")
+            sizes.append(check_image(data, f"{at}.image_url.url")[1:])
             digest = digest_of(data)
             found[digest] = data
             digests.append(digest)
             content[k] = {"type": "image_url", "image_url": {"url": REF_SCHEME + digest}}
     if len(digests) > MAX_IMAGES:
         raise InvalidInput(field, f"{len(digests)} images in one conversation; the limit is {MAX_IMAGES}")
+    check_group_pixels(sizes, field)
     return out, digests
 
 
@@ -226,6 +236,9 @@ class ImageLoader:
                                                    f"submit the group again")
             if digest_of(data) != digest:
                 raise InvalidInput(f"images[{i}]", f"the bytes stored under {digest} do not hash to it")
+        # Every header before any pixel: the group's total is bounded, not only each image.
+        check_group_pixels([check_image(data, f"images[{i}]")[1:] for i, data in enumerate(blobs)],
+                           "images")
         return await asyncio.to_thread(
             lambda: [decode_image(data, f"images[{i}]") for i, data in enumerate(blobs)])
 

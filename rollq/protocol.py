@@ -57,6 +57,8 @@ MAX_IMAGE_BYTES = 8 * 1024 * 1024
 """One encoded image (PNG, JPEG or WebP file)."""
 MAX_IMAGE_PIXELS = 4096 * 4096
 """Width x height of one image: bounds what decoding it costs a worker (4 bytes per pixel)."""
+MAX_GROUP_PIXELS = 2 * MAX_IMAGE_PIXELS
+"""All images of one group together: a group's decoded pixels stay under ~128 MB."""
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
 """Matched with fullmatch: `$` would also match before a trailing newline."""

@@ -7,11 +7,12 @@ import base64
 import resource
 
 import pytest
+from PIL import Image
 from vlm import encoded, hostile_images, noise_image
 
 from rollq.images import (REF_SCHEME, ImageLoader, ImageRef, chat_images, chat_with_images,
                           digest_of)
-from rollq.protocol import MAX_IMAGE_PIXELS, MAX_IMAGES, Chat, InvalidInput, decode_item
+from rollq.protocol import MAX_GROUP_PIXELS, MAX_IMAGE_PIXELS, MAX_IMAGES, Chat, InvalidInput, decode_item
 
 IMAGE = encoded(noise_image(1, (600, 600)))  # ~1 MB: random pixels do not compress
 
@@ -80,6 +81,10 @@ async def test_limits_name_the_field_and_the_limit(make_client):
     with pytest.raises(InvalidInput, match=f"4097 x 4096 = .* the limit is {MAX_IMAGE_PIXELS}") as e:
         await client.submit([[1]], 1, images=[[big[:8 * 1024 * 1024]]])
     assert e.value.field == "images[0][0]"
+    three = encoded(Image.new("L", (4096, 3000)))  # each within the limits, together 1.5 times them
+    with pytest.raises(InvalidInput, match=f"pixels together; the limit is {MAX_GROUP_PIXELS}") as e:
+        await client.submit([[1]], 1, images=[[three] * 3])
+    assert e.value.field == "images[0]"
     with pytest.raises(InvalidInput, match="one list of images per group"):
         await client.submit([[1], [2]], 1, images=[[IMAGE]])
 
@@ -148,6 +153,11 @@ async def test_the_worker_decodes_hostile_bytes_into_errors_with_bounded_memory(
     await redis.set(keys.image(digest_of(b"claimed")), IMAGE)
     with pytest.raises(InvalidInput, match="do not hash"):
         await loader.load([digest_of(b"claimed")])
+    flat = encoded(Image.new("L", (4096, 3000)))
+    await redis.set(keys.image(digest_of(flat)), flat)
+    with pytest.raises(InvalidInput, match="pixels together") as e:  # before decoding any
+        await loader.load([digest_of(flat)] * 3)
+    assert e.value.field == "images"
     await redis.set(keys.image(digest_of(IMAGE)), IMAGE)
     [decoded] = await loader.load([digest_of(IMAGE)])
     assert decoded.size == (600, 600)
