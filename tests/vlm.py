@@ -16,7 +16,6 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
 VOCAB = 512
@@ -38,6 +37,7 @@ TEMPLATE = ("{{ bos_token }}{%- for m in messages %}<|{{ m.role }}|>"
 def make_vlm(path: Path, *, seed: int = 0) -> Path:
     """Idefics3 with a 2-layer Llama (head_dim 64: vLLM's CPU attention rejects 16) and a 2-layer
     vision tower on 64 x 64 images, float32 safetensors, with its processor and tokenizer."""
+    import torch
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor,
                               PreTrainedTokenizerFast)
@@ -74,6 +74,7 @@ class Reference:
     """The float32 transformers model and processor the engine is checked against."""
 
     def __init__(self, path: Path):
+        import torch
         from transformers import AutoProcessor, Idefics3ForConditionalGeneration
 
         self.processor = AutoProcessor.from_pretrained(path)
@@ -85,12 +86,14 @@ class Reference:
     def chat_text(self, messages: list[dict]) -> str:
         return self.processor.apply_chat_template(messages, add_generation_prompt=True)
 
-    @torch.no_grad()
     def greedy(self, text: str, images: list[Image.Image], max_tokens: int) -> tuple[list[int], list[int]]:
         """(prompt ids, greedy completion); like vLLM it ends with EOS when EOS is the argmax."""
+        import torch
+
         inputs = self.inputs(text, images)
-        out = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                                  eos_token_id=2)
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False,
+                                      pad_token_id=0, eos_token_id=2)
         prompt = inputs["input_ids"][0].tolist()
         return prompt, out[0, len(prompt):].tolist()
 
