@@ -44,6 +44,7 @@ from rollq.protocol import (
     validate_n,
     validate_window,
 )
+from rollq import images as imaging
 from rollq.queue import jobs
 from rollq.queue.connection import DEFAULT_URL, connect
 from rollq.queue.jobs import JobStatus
@@ -214,6 +215,7 @@ class RolloutClient:
         exact_version: int | None = None,
         wait: bool = True,
         timeout_s: float | None = None,
+        images: Sequence[Any] | None = None,
     ) -> str:
         """Queue one group of `n` samples per prompt; returns the job id at once.
 
@@ -225,14 +227,44 @@ class RolloutClient:
         (`exact_version=v`: both v) that is at least (newest - max_staleness) when the group
         starts. A `min_version` not yet published waits (until the deadline); a window no
         worker can ever serve ends the group `failed` with the reason.
+
+        Images (vision-language models): `images[i]` are group i's images, in the order of
+        the image placeholders in its prompt (the model's image token, which vLLM expands):
+        bytes of PNG, JPEG or WebP files, or `ImageRef`s from `upload_image`. Each distinct
+        image is stored once in Redis, whatever the number of groups and jobs naming it.
         """
         validate_n(n)
         job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
         window = _window(min_version, max_version, exact_version, max_staleness)
-        items = self._encode_items(job_id, group_prompts(prompts, n, repeated), n,
-                                   _sampling(sampling), deadline_s, window)
+        groups = group_prompts(prompts, n, repeated)
+        found: dict[str, bytes | None] = {}
+        digests = self._group_images(images, len(groups), found)
+        items = self._encode_items(job_id, groups, n, _sampling(sampling), deadline_s, window, digests)
         meta_bytes = encode_meta(meta)
+        await self._store_images(found, deadline_s)
         return await self._enqueue(job_id, items, meta_bytes, window, wait, timeout_s)
+
+    async def upload_image(self, data: bytes, *, ttl_s: int | None = None) -> imaging.ImageRef:
+        """Store an image (bytes of a PNG, JPEG or WebP file) once; submits may then name it by
+        the returned reference. Stored for `ttl_s` (default: a week), extended by each submit."""
+        digest = imaging.group_images([data], "data", found := {})[0]
+        await self._retrying(imaging.store_images, self.redis, self.keys, found,
+                             ttl_s or imaging.IMAGE_TTL_S)
+        return imaging.ImageRef(digest)
+
+    @staticmethod
+    def _group_images(images: Any, groups: int, found: dict[str, bytes | None]) -> list[list[str]] | None:
+        if images is None:
+            return None
+        if not isinstance(images, Sequence) or len(images) != groups:
+            raise InvalidInput("images", f"must be a list with one list of images per group ({groups})")
+        return [imaging.group_images(group, f"images[{i}]", found) for i, group in enumerate(images)]
+
+    async def _store_images(self, found: dict[str, bytes | None], deadline_s: float | None) -> None:
+        """Before the items that name them are queued: a worker never reads a missing image."""
+        if found:
+            ttl = max(imaging.IMAGE_TTL_S, int(deadline_s or 0) + 3600)
+            await self._retrying(imaging.store_images, self.redis, self.keys, found, ttl)
 
     async def submit_chat(
         self,
@@ -275,10 +307,17 @@ class RolloutClient:
                                                   dict[str, Any]),
                       add_generation_prompt=bool(add_generation_prompt),
                       continue_final_message=bool(continue_final_message))
-        chats = [Chat(_typed(f"conversations[{i}]", messages, list[dict[str, Any]]), **shared)
-                 for i, messages in enumerate(conversations)]
+        found: dict[str, bytes | None] = {}
+        chats, digests = [], []
+        for i, messages in enumerate(conversations):
+            # Convert data URLs --> images stored once in Redis, named by digest in the chat.
+            messages, named = imaging.chat_images(
+                _typed(f"conversations[{i}]", messages, list[dict[str, Any]]), f"conversations[{i}]", found)
+            chats.append(Chat(messages, **shared))
+            digests.append(named)
         # The prompts are placeholders: the items are built as for token prompts, then carry the chat.
-        placeholders = self._encode_items(job_id, [[0]] * len(chats), n, settings, deadline_s, window)
+        placeholders = self._encode_items(job_id, [[0]] * len(chats), n, settings, deadline_s, window,
+                                          digests)
         items = []
         for i, ((data, deadline), chat) in enumerate(zip(placeholders, chats)):
             try:
@@ -290,6 +329,7 @@ class RolloutClient:
             except InvalidInput as e:
                 field = f"conversations[{i}]{e.field[4:]}" if e.field.startswith("chat") else e.field
                 raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
+        await self._store_images(found, deadline_s)
         return await self._enqueue(job_id, items, encode_meta(meta), window, wait, timeout_s)
 
     async def _enqueue(self, job_id: str, items: list[tuple[bytes, float]], meta: bytes,
@@ -356,7 +396,7 @@ class RolloutClient:
 
     def _encode_items(self, job_id: str, prompts: list[list[int] | str], n: int, sampling: Sampling,
                       deadline_s: float | None, window: tuple[int, int | None, int | None],
-                      ) -> list[tuple[bytes, float]]:
+                      images: list[list[str]] | None = None) -> list[tuple[bytes, float]]:
         if not prompts:
             raise InvalidInput("prompts", "is empty; submit at least one prompt")
         if len(prompts) > MAX_JOB_GROUPS:
@@ -375,7 +415,8 @@ class RolloutClient:
                 packed = b"" if text else pack_tokens(prompt)
             except (TypeError, OverflowError) as e:
                 raise InvalidInput(f"prompts[{index}]", f"token ids must be int32 integers ({e})") from None
-            item = WorkItem(job_id, index, packed, n, sampling, now, deadline, text, *window)
+            item = WorkItem(job_id, index, packed, n, sampling, now, deadline, text, *window,
+                            images=images[index] if images else [])
             try:
                 validate_item(item)
             except InvalidInput as e:
@@ -603,6 +644,9 @@ class SyncRolloutClient:
 
     def submit(self, prompts, n: int = 1, sampling=None, **kwargs: Any) -> str:
         return self._call(self._client.submit(prompts, n, sampling, **kwargs))
+
+    def upload_image(self, data: bytes, **kwargs: Any):
+        return self._call(self._client.upload_image(data, **kwargs))
 
     def take(self, count: int, *, timeout_s: float = 30.0, ack: AckMode = "auto") -> list[GroupResult]:
         return self._call(self._client.take(count, timeout_s=timeout_s, ack=ack))

@@ -51,6 +51,14 @@ MAX_STOP_CHARS = 1024
 """Per stop string."""
 MAX_REGEX_CHARS = 4096
 """`sampling.regex`: the engine compiles it into a grammar per job."""
+MAX_IMAGES = 16
+"""Images of one prompt group."""
+MAX_IMAGE_BYTES = 8 * 1024 * 1024
+"""One encoded image (PNG, JPEG or WebP file)."""
+MAX_IMAGE_PIXELS = 4096 * 4096
+"""Width x height of one image: bounds what decoding it costs a worker (4 bytes per pixel)."""
+MAX_GROUP_PIXELS = 2 * MAX_IMAGE_PIXELS
+"""All images of one group together: a group's decoded pixels stay under ~128 MB."""
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
 """Matched with fullmatch: `$` would also match before a trailing newline."""
@@ -205,6 +213,9 @@ class WorkItem(msgspec.Struct, **_WIRE):
     """...and at least (newest published version - max_staleness) when generation starts."""
     chat: Chat | None = None
     """A conversation instead of token ids or text (`prompt` and `text` empty)."""
+    images: list[str] = []
+    """BLAKE3 hex digests of the group's images, stored once each in Redis (`rollq/images.py`),
+    in prompt order; a chat names them in its `rollq-image:<digest>` image_url parts."""
 
 
 class ItemHeader(msgspec.Struct, array_like=True):
@@ -284,6 +295,8 @@ class GroupResult(msgspec.Struct, **_WIRE):
     prompt_scores: Sample | None = None
     """With `Sampling.prompt_logprobs`: the prompt as a scored sequence (its `tokens` are the
     prompt, `logprobs[0]` is NaN: the first token has no context; `top()` as for samples)."""
+    image_tokens: int = 0
+    """Tokens of `prompt` that the images took (their placeholders, as the model expands them)."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -539,6 +552,19 @@ def validate_window(min_version: int, max_version: int | None, max_staleness: in
         raise InvalidInput("max_staleness", f"max_staleness={max_staleness} must be >= 0")
 
 
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def validate_images(digests: list[str], field: str = "images") -> None:
+    """A group's image references: at most MAX_IMAGES BLAKE3 hex digests (the bytes are in Redis,
+    checked where they are stored and again where they are decoded: `rollq/images.py`)."""
+    if len(digests) > MAX_IMAGES:
+        raise InvalidInput(field, f"{len(digests)} images in one group; the limit is {MAX_IMAGES}")
+    for i, digest in enumerate(digests):
+        if not _DIGEST.fullmatch(digest):
+            raise InvalidInput(f"{field}[{i}]", "must be a BLAKE3 digest: 64 lowercase hex digits")
+
+
 def validate_item(item: WorkItem) -> None:
     check_id("job_id", item.job_id)
     if not 0 <= item.group_index < MAX_JOB_GROUPS:
@@ -556,6 +582,7 @@ def validate_item(item: WorkItem) -> None:
             raise InvalidInput("text", f"has {len(item.text)} characters; the limit is {MAX_PROMPT_CHARS}")
     else:
         validate_prompt(item.prompt)
+    validate_images(item.images)
     validate_sampling(item.sampling, item.n)
     extra_size = len(encode(item.sampling.extra))
     if extra_size > MAX_META_BYTES:

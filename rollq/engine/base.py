@@ -14,6 +14,8 @@ class Generated(NamedTuple):
     """The prompt's int32 token ids as the engine saw them (tokenized, for text prompts)."""
     prompt_scores: Sample | None = None
     """With `Sampling.prompt_logprobs`: the prompt's tokens scored by the model."""
+    image_tokens: int = 0
+    """Tokens of `prompt` that its images took."""
 
 
 class GroupError(Exception):

@@ -23,6 +23,7 @@ from rollq.config import VLLMSettings
 from rollq.engine.base import EngineDead, Generated, GroupError
 from rollq.engine import lora
 from rollq.engine.chat import ChatRenderer
+from rollq.engine.images import EngineImages, image_tokens
 from rollq.protocol import (SAMPLING_EXTRA, Sample, Sampling, WorkItem, pack_floats, pack_tokens,
                             unpack_tokens)
 
@@ -170,6 +171,8 @@ class VLLMEngine:
         self._no_adapter: Any = None
         """CPU build with adapters: the zero adapter the full weights' requests carry (engine/lora.py)."""
         self._no_adapter_dir: tempfile.TemporaryDirectory | None = None
+        self.images = EngineImages(llm)
+        """Groups' images; the worker gives it the Redis reader (`images.loader`)."""
 
     @classmethod
     async def start(cls, settings: VLLMSettings, *, version: int = 0) -> VLLMEngine:
@@ -275,14 +278,16 @@ class VLLMEngine:
         if (item.sampling.return_text or item.sampling.stop) and not self.has_tokenizer:
             raise GroupError("text or stop strings asked for, but this worker's model has no tokenizer")
         if item.chat is not None:
-            # Convert Chat --> prompt token ids, as vLLM's server renders a chat request.
-            prompt: Any = await self._chat.render(item.chat, item.sampling.max_tokens)
+            # Convert Chat (+ images) --> prompt token ids, as vLLM's server renders a chat request.
+            prompt: Any = await self._chat.render(await self.images.chat(item), item.sampling.max_tokens)
         elif item.text:
             if not self.has_tokenizer:
                 raise GroupError("text prompt, but this worker's model has no tokenizer: send token ids")
             prompt = {"prompt": item.text}
         else:
             prompt = {"prompt_token_ids": self._checked(unpack_tokens(item.prompt))}
+        if item.images and item.chat is None:
+            prompt = await self.images.prompt(prompt, item)
         request_id = f"{item.job_id}-{item.group_index}-{uuid.uuid4().hex[:8]}"
         states = [_SampleState() for _ in range(item.n)]
         final, version, epoch = await self._request(prompt, params, request_id, adapter)
@@ -293,6 +298,8 @@ class VLLMEngine:
         cut = self._swaps_begun > epoch and any(st.finish_reason == "abort" for st in states)
         if cut and adapter is not None:  # the worker drains adapter groups before a swap
             raise GroupError(f"adapter version {adapter.version}: cut by a swap of the base weights")
+        if cut and item.images:  # a continuation from token ids alone would drop the images
+            raise GroupError("a group with images was cut by an interrupting swap")
         while self._swaps_begun > epoch and any(st.finish_reason == "abort" for st in states):
             # Cut by an interrupting swap: continue each cut sample under the new weights from
             # prompt + its tokens so far (its KV is computed again by the new version).
@@ -304,7 +311,8 @@ class VLLMEngine:
                 states[i].extend(completion, v, item.sampling.logprobs)
         return Generated([st.to_sample(version) for st in states], pack_tokens(prompt_ids),
                          _prompt_scores(final, item.sampling.prompt_logprobs,
-                                        self.llm.tokenizer if params.detokenize else None))
+                                        self.llm.tokenizer if params.detokenize else None),
+                         image_tokens(prompt))
 
     def _checked(self, ids: list[int]) -> list[int]:
         """vLLM does not check ids against the model without a tokenizer: one id outside the

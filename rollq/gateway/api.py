@@ -25,6 +25,7 @@ from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, 
                                   SubmitRequest, Submitted, VersionList, result_view, sample_view,
                                   version_view)
 from rollq.gateway.state import GATEWAY, Gateway
+from rollq.images import from_data_url
 from rollq.protocol import GroupResult, VersionEntry
 from rollq.queue import jobs
 from rollq.queue.jobs import JobStatus
@@ -72,10 +73,13 @@ async def submit(request: web.Request) -> web.Response:
     heavy = request.app[HEAVY_TURN] if len(data) > HEAVY_BYTES else contextlib.nullcontext()
     async with heavy:
         body = decode_body(request, data, SubmitRequest)
+        images = None if body.images is None else [
+            [from_data_url(url, f"images[{i}][{j}]") for j, url in enumerate(group)]
+            for i, group in enumerate(body.images)]
         job_id = await gw.client(policy, who.trainer).submit(
             body.prompts, body.n, body.sampling, job_id=body.job_id, deadline_s=body.deadline_s,
             meta=body.meta, max_staleness=body.max_staleness, min_version=body.min_version,
-            max_version=body.max_version, exact_version=body.exact_version, wait=False)
+            max_version=body.max_version, exact_version=body.exact_version, wait=False, images=images)
     return reply(request, Submitted(job_id, len(body.prompts)), status=201)
 
 

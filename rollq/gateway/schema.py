@@ -45,6 +45,9 @@ class SubmitRequest(msgspec.Struct, **_REQUEST):
     min_version: int | None = None
     max_version: int | None = None
     exact_version: int | None = None
+    images: list[list[str]] | None = None
+    """Per prompt group, its images as `data:image/...;base64,` URLs (PNG, JPEG or WebP), in the
+    order of the image placeholders in its prompt; each distinct image is stored once."""
 
 
 class Submitted(msgspec.Struct):
@@ -75,6 +78,8 @@ class ResultView(msgspec.Struct):
     queued_s: float
     generation_s: float
     finished_at: float
+    image_tokens: int = 0
+    """Prompt tokens the images took."""
 
 
 class ResultBatch(msgspec.Struct):
@@ -135,7 +140,7 @@ def sample_view(s: Sample) -> SampleView:
 def result_view(entry_id: str, r: GroupResult) -> ResultView:
     return ResultView(entry_id, r.job_id, r.group_index, r.status, r.reason, r.prompt_ids,
                       [sample_view(s) for s in r.samples], r.worker_id, r.queued_s, r.generation_s,
-                      r.finished_at)
+                      r.finished_at, r.image_tokens)
 
 
 def version_view(e: VersionEntry) -> VersionView:

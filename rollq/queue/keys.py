@@ -118,6 +118,11 @@ class Keys:
         """A worker's last heartbeat; expires when the worker stops beating."""
         return f"{self._p}:worker:{worker_id}"
 
+    def image(self, digest: str) -> str:
+        """String: one image's encoded bytes, stored once per content (BLAKE3 hex `digest`)
+        whatever the number of groups and jobs naming it; expires (`rollq/images.py`)."""
+        return f"{self._p}:image:{digest}"
+
     @property
     def every_key(self) -> str:
         """Glob pattern matching every key of the policy (ACL rules, scans)."""

@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.engine.base import Engine, EngineDead, GroupError
+from rollq.images import ImageLoader
 from rollq.protocol import (MAX_N, GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode,
                             peek_header)
 from rollq.queue.connection import unreachable
@@ -72,6 +73,8 @@ class Worker:
         self.max_inflight_seqs = max_inflight_seqs
         self._typical_n: int | None = None
         self.pinned = pinned
+        if getattr(engine, "images", None) is not None:  # engines that take images read them here
+            engine.images.loader = ImageLoader(queue.redis, queue.keys)
         self.heartbeat = Heartbeat(queue.redis, queue.keys, self.worker_id, ttl_s=3 * lease_s)
         self.registry = Registry(queue.redis, queue.keys, queue.scripts)
         self.admission = Admission()
@@ -310,6 +313,7 @@ class Worker:
             return GroupResult(status="failed", reason=f"internal error: {outside}", **partial)
         partial["prompt"] = generated.prompt
         return GroupResult(status="ok", samples=generated.samples, prompt_scores=generated.prompt_scores,
+                           image_tokens=generated.image_tokens,
                            queued_s=max(0.0, started - item.submitted_at),
                            generation_s=time.time() - started, finished_at=time.time(), **partial)
 

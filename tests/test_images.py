@@ -1,0 +1,163 @@
+"""Images on the wire, without an engine: stored once per content in a real Redis, limits named,
+data URLs converted and remote URLs refused, hostile files refused before any pixel is allocated."""
+
+from __future__ import annotations
+
+import base64
+import resource
+
+import pytest
+from PIL import Image
+from vlm import encoded, hostile_images, noise_image
+
+from rollq.images import (REF_SCHEME, ImageLoader, ImageRef, chat_images, chat_with_images,
+                          digest_of)
+from rollq.protocol import MAX_GROUP_PIXELS, MAX_IMAGE_PIXELS, MAX_IMAGES, Chat, InvalidInput, decode_item
+
+IMAGE = encoded(noise_image(1, (600, 600)))  # ~1 MB: random pixels do not compress
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+async def policy_bytes(redis, pattern: str) -> dict[str, int]:
+    return {key.decode(): await redis.memory_usage(key) async for key in redis.scan_iter(match=pattern)}
+
+
+async def test_an_image_in_100_groups_and_two_jobs_is_stored_once(make_client, redis, policy):
+    assert len(IMAGE) > 1_000_000
+    client = make_client()
+    await client.submit([[1, 7, 20]] * 100, 8, images=[[IMAGE]] * 100, job_id="one")
+    await client.submit([[1, 7, 30]] * 10, 8, images=[[IMAGE]] * 10, job_id="two")
+    stored = await policy_bytes(redis, f"rollq:{{{policy}}}:image:*")
+    assert list(stored) == [client.keys.image(digest_of(IMAGE))]
+    assert await redis.strlen(client.keys.image(digest_of(IMAGE))) == len(IMAGE)
+    everything = await policy_bytes(redis, f"rollq:{{{policy}}}:*")
+    total, image_key = sum(everything.values()), everything[client.keys.image(digest_of(IMAGE))]
+    # 110 groups of 8 samples, one ~1 MB image: ~1 MB in all, not 110 (or 880) MB.
+    print(f"\nimage file {len(IMAGE)} B, its key {image_key} B (MEMORY USAGE); all keys of the "
+          f"policy {total} B; the image once per group would be {110 * len(IMAGE)} B")
+    assert image_key < 1.3 * len(IMAGE) and total - image_key < 200_000
+    entries = await redis.xrange(client.keys.work("trainer"), count=1)
+    item = decode_item(entries[0][1][b"d"])
+    assert item.images == [digest_of(IMAGE)] and len(entries[0][1][b"d"]) < 300
+
+
+async def test_references_extend_the_image_and_a_missing_one_is_refused(make_client, redis):
+    client = make_client()
+    ref = await client.upload_image(IMAGE, ttl_s=60)
+    assert isinstance(ref, ImageRef) and 0 < await redis.ttl(client.keys.image(ref.digest)) <= 60
+    await client.submit([[1, 7]], 1, images=[[ref]], deadline_s=86_400)
+    # A job naming the image keeps it at least as long as the job may wait (never shortened).
+    assert await redis.ttl(client.keys.image(ref.digest)) > 86_400
+    missing = ImageRef(digest_of(b"never uploaded"))
+    with pytest.raises(InvalidInput, match="not stored") as e:
+        await client.submit([[1, 7]], 1, images=[[missing]])
+    assert e.value.field == "images"
+
+
+@pytest.mark.parametrize("name", list(hostile_images()))
+async def test_hostile_files_are_refused_by_the_client_naming_the_field(make_client, name):
+    data = hostile_images()[name]
+    client = make_client()
+    if name == "truncated jpeg":  # its header is whole: only decoding finds it (the worker does)
+        await client.submit([[1, 7]], 1, images=[[data]])
+        return
+    with pytest.raises(InvalidInput) as e:
+        await client.submit([[1, 7], [1, 7]], 1, images=[[], [IMAGE, data]])
+    assert e.value.field == "images[1][1]"
+    expected = {"png bomb": "too many pixels", "gif": "a GIF file", "svg": "an SVG file",
+                "random bytes": "no image format recognized"}[name]
+    assert expected in str(e.value)
+
+
+async def test_limits_name_the_field_and_the_limit(make_client):
+    client = make_client()
+    with pytest.raises(InvalidInput, match=f"limit is {MAX_IMAGES}") as e:
+        await client.submit([[1]], 1, images=[[IMAGE] * (MAX_IMAGES + 1)])
+    assert e.value.field == "images[0]"
+    big = encoded(noise_image(2, (4097, 4096)).convert("L"), "PNG", compress_level=0)
+    with pytest.raises(InvalidInput, match=f"4097 x 4096 = .* the limit is {MAX_IMAGE_PIXELS}") as e:
+        await client.submit([[1]], 1, images=[[big[:8 * 1024 * 1024]]])
+    assert e.value.field == "images[0][0]"
+    three = encoded(Image.new("L", (4096, 3000)))  # each within the limits, together 1.5 times them
+    with pytest.raises(InvalidInput, match=f"pixels together; the limit is {MAX_GROUP_PIXELS}") as e:
+        await client.submit([[1]], 1, images=[[three] * 3])
+    assert e.value.field == "images[0]"
+    with pytest.raises(InvalidInput, match="one list of images per group"):
+        await client.submit([[1], [2]], 1, images=[[IMAGE]])
+
+
+async def test_chat_data_urls_become_stored_images_and_remote_urls_are_refused(make_client, redis):
+    png, webp = IMAGE, encoded(noise_image(3), "WEBP", lossless=True)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "w20"}, {"type": "image_url", "image_url": {"url": data_url(png)}},
+        {"type": "image_url", "image_url": {"url": data_url(webp, "image/webp")}}]}]
+    rewritten, digests = chat_images(messages, "conversations[0]", found := {})
+    assert digests == [digest_of(png), digest_of(webp)] and set(found) == set(digests)
+    assert rewritten[0]["content"][1] == {"type": "image_url",
+                                          "image_url": {"url": REF_SCHEME + digest_of(png)}}
+    assert messages[0]["content"][1]["image_url"]["url"].startswith("data:")  # the caller's copy
+    client = make_client()
+    await client.submit_chat([messages], 1)
+    assert await redis.exists(client.keys.image(digest_of(webp)))
+    for url in ("https://example.com/cat.png", "file:///etc/passwd", "data:text/plain;base64,AAAA"):
+        bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+        with pytest.raises(InvalidInput, match="only data:image") as e:
+            await client.submit_chat([bad], 1)
+        assert e.value.field == "conversations[0][0].content[0].image_url.url"
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA"}}]}]
+    with pytest.raises(InvalidInput, match="text or image_url") as e:
+        await client.submit_chat([audio], 1)
+    assert e.value.field == "conversations[0][0].content[0].type"
+
+
+def test_the_worker_takes_no_media_but_the_groups_images():
+    image = noise_image(4)
+    digest = digest_of(b"x")
+    ok = Chat([{"role": "user", "content": [{"type": "image_url",
+                                             "image_url": {"url": REF_SCHEME + digest}}]}])
+    [message] = chat_with_images(ok, [digest], [image]).messages
+    assert message["content"] == [{"type": "image_pil", "image_pil": image}]
+    # A trainer writing items itself could name a URL or embeddings: the worker fetches and
+    # unpickles nothing.
+    for part in ({"type": "image_url", "image_url": {"url": "http://10.0.0.1/x.png"}},
+                 {"type": "image_embeds", "image_embeds": "AAAA"},
+                 {"type": "image_url", "image_url": {"url": REF_SCHEME + digest_of(b"other")}}):
+        with pytest.raises(InvalidInput) as e:
+            chat_with_images(Chat([{"role": "user", "content": [part]}]), [digest], [image])
+        assert e.value.field == "chat.messages[0].content[0]"
+
+
+async def test_the_worker_decodes_hostile_bytes_into_errors_with_bounded_memory(redis, policy):
+    """Bytes that skipped the client's checks (written to Redis directly): each is an error
+    naming the image, and the bomb allocates nothing (it would take 2.5 GB)."""
+    from rollq.queue.keys import Keys
+
+    keys = Keys(policy)
+    loader = ImageLoader(redis, keys)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    reasons = {}
+    for name, data in hostile_images().items():
+        await redis.set(keys.image(digest_of(data)), data)
+        with pytest.raises(InvalidInput) as e:
+            await loader.load([digest_of(data)])
+        reasons[name] = str(e.value)
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    print(reasons, f"max RSS grew by {grown_mb:.0f} MB")
+    assert grown_mb < 100
+    assert "too many pixels" in reasons["png bomb"] and "truncated" in reasons["truncated jpeg"]
+    assert all(r.startswith("images[0]: ") for r in reasons.values())
+    # A stored image whose bytes are not its digest's is refused too.
+    await redis.set(keys.image(digest_of(b"claimed")), IMAGE)
+    with pytest.raises(InvalidInput, match="do not hash"):
+        await loader.load([digest_of(b"claimed")])
+    flat = encoded(Image.new("L", (4096, 3000)))
+    await redis.set(keys.image(digest_of(flat)), flat)
+    with pytest.raises(InvalidInput, match="pixels together") as e:  # before decoding any
+        await loader.load([digest_of(flat)] * 3)
+    assert e.value.field == "images"
+    await redis.set(keys.image(digest_of(IMAGE)), IMAGE)
+    [decoded] = await loader.load([digest_of(IMAGE)])
+    assert decoded.size == (600, 600)
