@@ -45,7 +45,7 @@ class FileCheckingEngine(InstantEngine):
         self.entries = entries
         self.loads: list[tuple[int, str]] = []
 
-    async def swap(self, version, path, *, interrupt=False):
+    async def swap(self, version, path, *, interrupt=False, keep=False):
         try:
             verify(path, self.entries[version].files)
             seen = "intact"
@@ -54,7 +54,7 @@ class FileCheckingEngine(InstantEngine):
         self.loads.append((version, seen))
         if seen != "intact":  # what vLLM does with missing files: the load fails
             raise RuntimeError(seen)
-        return await super().swap(version, path, interrupt=interrupt)
+        return await super().swap(version, path, interrupt=interrupt, keep=keep)
 
 
 def gated_check(monkeypatch, version: int) -> threading.Event:
