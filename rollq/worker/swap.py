@@ -207,6 +207,7 @@ class VersionFollower:
         if getattr(worker.engine, "max_loras", 0):  # started with adapter support
             self.adapters = worker.adapters = ResidentAdapters(worker, registry, self.snapshots,
                                                                base_schema)
+            worker.heartbeat.adapters = self.adapters.loaded  # read at each beat
 
     async def run(self) -> None:
         """Until the worker stops (it ends by itself within `poll_s` of that).
