@@ -79,9 +79,10 @@ async def test_a_job_that_declines_keep_is_never_served_across_a_keep_swap(
     exact = await publisher.submit(PROMPTS[16:24], n=1, sampling=GREEDY | {"max_tokens": 100})
     await wait_until(lambda: len(worker.admission.generating) == 24, what="all 24 groups running")
     await publisher.publish_weights(2, weights[2])
-    await wait_until(lambda: worker.state == "draining", timeout_s=30, what="the swap's drain")
-    draining = {item.job_id for item in worker.admission.generating.values()}
-    assert draining == {kept, exact}, "the drain should begin while both jobs run"
+    await wait_until(lambda: worker.state != "serving" or worker.engine.version == 2, timeout_s=30,
+                     what="the swap to begin")
+    running = {item.job_id for item in worker.admission.generating.values()}
+    assert running == {kept, exact}, f"the swap should begin while both jobs run ({worker.state})"
     await wait_until(lambda: worker.engine.version == 2, timeout_s=60, what="swap to v2")
     after = await publisher.submit([long], n=1, sampling=GREEDY | {"max_tokens": 16})
     results += await collect(publisher, 25, timeout_s=120)
