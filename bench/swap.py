@@ -15,12 +15,19 @@ result marks the moment the worker serves it. Phases:
 - verify: the worker re-reading and hashing the files, checking headers and shapes.
 - drain, pause, load, resume: the worker's swap (`rollq_worker_swap_phase_seconds`).
 
+Adapter versions: a second worker (`--enable-lora --max-lora-rank 16`, its own policy) serves
+the same checkpoint as version 0, and this process publishes rank-16 LoRA adapters of it (PEFT
+models, q/k/v/o projections, as a trainer holds them) as versions 1, 2, ... with
+`adapter_on=0`, each followed by the same probe group: publish -> serving is the adapter's store
+(its two files, fsynced and hashed), the worker's copy, checks and `add_lora`, and the probe's
+one token under the adapter. No swap: the full weights never change.
+
 The raw read is the same files read once, sequentially, just before each publish: warm (from
 the page cache, as the swap finds them) and cold (page cache dropped first: storage bandwidth;
 needs root). Reported: end to end, each phase, and the effective bandwidth (checkpoint bytes /
 end to end) as a fraction of each raw read's.
 
-    python bench/swap.py [--repeats 3]              # table + bench/results/swap.json
+    python bench/swap.py [--repeats 3] [--adapter-repeats 9]  # table + bench/results/swap.json
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ from rollq.queue.workers import live_workers
 
 MODEL = dict(hidden=1024, layers=8, vocab=8192, intermediate=2816)
 POLICY = "swap"
+ADAPTER_POLICY = "swap-lora"
+ADAPTER_RANK = 16
 MEMORY = "state_dict, wait=False"
 """The trainer publishes its tensors and goes on: `trainer stall` is how long the call held it."""
 
@@ -66,9 +75,10 @@ def raw_read(files: list[Path], *, cold: bool = False) -> float | None:
     return time.perf_counter() - began
 
 
-async def wait_worker(client: RolloutClient, worker: subprocess.Popen, timeout_s: float = 900) -> None:
+async def wait_worker(client: RolloutClient, worker: subprocess.Popen, timeout_s: float = 900,
+                      policy: str = POLICY) -> None:
     give_up = time.monotonic() + timeout_s
-    while not await client.redis.exists(Keys(POLICY).workers):
+    while not await client.redis.exists(Keys(policy).workers):
         if worker.poll() is not None or time.monotonic() > give_up:
             raise RuntimeError("the rollq worker did not start")
         await asyncio.sleep(0.5)
@@ -123,19 +133,76 @@ def summary(runs: list[dict], size: int) -> dict:
             "ratio_vs_cold": cold / total if cold else None, "runs": runs}
 
 
-async def main(repeats: int) -> dict:
+def start_worker(redis_url: str, policy: str, model: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollq", "worker", "--engine", "vllm", "--redis-url", redis_url,
+         "--policy", policy, "--model", str(model), "--dtype", "float32",
+         "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager", "--poll-s", "0.1",
+         "--lease-s", "1.5", *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def make_adapters(base: Path, count: int) -> list:
+    """Rank-16 PEFT adapters of the checkpoint, lora_B non-zero (PEFT starts it at zero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    adapters = []
+    for seed in range(count):
+        torch.manual_seed(seed)
+        model = get_peft_model(LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32),
+                               LoraConfig(r=ADAPTER_RANK, lora_alpha=2 * ADAPTER_RANK,
+                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.01)
+        adapters.append(model)
+    return adapters
+
+
+async def adapter_once(client: RolloutClient, version: int, adapter) -> dict:
+    began = time.perf_counter()
+    entry = await client.publish_weights(version, adapter, adapter_on=0, keep=3)
+    stored = time.perf_counter() - began
+    await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
+    [probe] = await client.take(1, timeout_s=120)
+    total_s = time.perf_counter() - began
+    if probe.status != "ok" or probe.samples[0].versions[0][0] != version:
+        raise RuntimeError(f"probe not served by adapter version {version}: {probe}")
+    print(f"adapter version {version}: {total_s * 1000:.1f} ms end to end, store "
+          f"{stored * 1000:.1f} ms, probe generation {probe.generation_s * 1000:.1f} ms", flush=True)
+    return {"total_s": total_s, "store_s": stored, "generation_s": probe.generation_s,
+            "bytes": sum(d.bytes for d in entry.files)}
+
+
+async def adapter_runs(redis_url: str, tmp: Path, base: Path, repeats: int) -> dict:
+    adapters = make_adapters(base, 2)
+    worker = start_worker(redis_url, ADAPTER_POLICY, base, "--enable-lora", "--max-loras", "3",
+                          "--max-lora-rank", str(ADAPTER_RANK))
+    try:
+        async with RolloutClient(redis_url, policy=ADAPTER_POLICY, trainer_id="bench",
+                                 weight_store=str(tmp / "store-lora")) as client:
+            await wait_worker(client, worker, policy=ADAPTER_POLICY)
+            # One unmeasured publish: the first LoRA request of an engine pays one-off set-up.
+            runs = [await adapter_once(client, v, adapters[v % 2]) for v in range(1, repeats + 2)][1:]
+    finally:
+        stop_process(worker)
+    return {"rank": ADAPTER_RANK, "bytes": runs[0]["bytes"], "repeats": repeats,
+            "total_s": statistics.median(r["total_s"] for r in runs),
+            "store_s": statistics.median(r["store_s"] for r in runs),
+            "generation_s": statistics.median(r["generation_s"] for r in runs), "runs": runs}
+
+
+async def main(repeats: int, adapter_repeats: int) -> dict:
     modes: dict[str, list[dict]] = {"copy": [], "by reference": [], MEMORY: []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         checkpoints = [make_llama(tmp / f"ckpt{i}", seed=i, **MODEL) for i in range(2)]
         size = sum(f.stat().st_size for f in checkpoints[1].glob("*.safetensors"))
         redis = RedisProcess(tmp, aof=False).start()
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "rollq", "worker", "--engine", "vllm", "--redis-url", redis.url,
-             "--policy", POLICY, "--model", str(checkpoints[0]), "--dtype", "float32",
-             "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager", "--poll-s", "0.1",
-             "--lease-s", "1.5"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        worker = start_worker(redis.url, POLICY, checkpoints[0])
         try:
             async with RolloutClient(redis.url, policy=POLICY, trainer_id="bench",
                                      weight_store=str(tmp / "store")) as client:
@@ -147,9 +214,12 @@ async def main(repeats: int) -> dict:
                         runs.append(await swap_once(client, version, checkpoints[version % 2], mode))
         finally:
             stop_process(worker)
+        try:
+            adapter = await adapter_runs(redis.url, tmp, checkpoints[0], adapter_repeats)
+        finally:
             redis.stop()
     return {"bytes": size, "repeats": repeats, "model": MODEL,
-            "modes": {mode: summary(runs, size) for mode, runs in modes.items()}}
+            "modes": {mode: summary(runs, size) for mode, runs in modes.items()}, "adapter": adapter}
 
 
 def report(r: dict) -> None:
@@ -159,11 +229,17 @@ def report(r: dict) -> None:
         print(f"{mode}: publish -> serving {m['total_s']:.2f} s ({m['gb_per_s']:.2f} GB/s); raw read "
               f"{m['raw_warm_s']:.3f} s warm, {cold} cold")
         print("  " + ", ".join(f"{k} {v:.2f} s" for k, v in m["phases_s"].items()))
+    a = r["adapter"]
+    print(f"adapter (rank {a['rank']}, {a['bytes'] / 1e6:.1f} MB): publish -> serving "
+          f"{a['total_s'] * 1000:.1f} ms (store {a['store_s'] * 1000:.1f} ms, probe generation "
+          f"{a['generation_s'] * 1000:.1f} ms), median of {a['repeats']}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    result = asyncio.run(main(parser.parse_args().repeats))
+    parser.add_argument("--adapter-repeats", type=int, default=9)
+    args = parser.parse_args()
+    result = asyncio.run(main(args.repeats, args.adapter_repeats))
     report(result)
     write_result("swap", result)

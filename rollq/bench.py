@@ -122,7 +122,18 @@ def _swap(r: dict) -> list[str]:
             stall = m["phases_s"]["trainer stall"]
             rows.append(f"- {mode}: the trainer is held **{stall:.3f} s** per publish "
                         f"(target <= 0.1: {_met(stall <= 0.1)}).")
+    a = r.get("adapter")
+    if a:
+        ms = a["total_s"] * 1000
+        rows.append(f"- adapter version (rank {a['rank']}, {a['bytes'] / 1e6:.1f} MB of adapter on the "
+                    f"same base): publish -> serving **{ms:.1f} ms**, median of {a['repeats']} "
+                    f"(store {a['store_s'] * 1000:.1f} ms{_probe_ms(a)}) "
+                    f"(target <= 50 ms: {_met(ms <= 50)}).")
     return rows
+
+
+def _probe_ms(a: dict) -> str:
+    return f", the probe's one token {a['generation_s'] * 1000:.1f} ms" if "generation_s" in a else ""
 
 
 _RENDER = {"wire": _wire, "submit": _submit, "dispatch": _dispatch, "scale": _scale,

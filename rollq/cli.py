@@ -47,8 +47,9 @@ def main(log_level: str) -> None:
 @click.option("--instant-delay-s", envvar="ROLLQ_INSTANT_DELAY_S", default=0.0, show_default=True,
               help="Instant engine only: seconds each group takes.")
 @click.option("--swap-mode", envvar="ROLLQ_SWAP_MODE", default="drain", show_default=True,
-              type=click.Choice(["drain", "interrupt"]),
-              help="On a new version: finish running groups first, or cut and continue them.")
+              type=click.Choice(["drain", "interrupt", "keep"]),
+              help="On a new version: finish running groups first, cut and continue them, or keep "
+                   "them with their KV cache (for jobs that accept it; others are drained).")
 @click.option("--pin-version", envvar="ROLLQ_PIN_VERSION", type=int, default=None,
               help="Serve only this version (never follow the registry).")
 @click.option("--base-version", envvar="ROLLQ_BASE_VERSION", default=0, show_default=True,
@@ -93,6 +94,12 @@ def worker(**flags) -> None:
                 raise InvalidInput("model", "--engine vllm needs --model DIR (a local model directory)")
             engine_flags["engine_args"] = _parse_engine_args(engine_flags["engine_args"])
             vllm_settings = VLLMSettings(**engine_flags).validate()
+            if settings.swap_mode == "keep" and vllm_settings.enable_lora:
+                # A reload drops vLLM's adapters, among them the zero adapter the CPU build's
+                # full-weight requests carry (engine/lora.py); frozen requests would resume
+                # without it. Not built: refuse rather than guess.
+                raise InvalidInput("swap_mode", "--swap-mode keep with --enable-lora is not "
+                                                "supported; use drain or interrupt")
     except InvalidInput as e:
         raise click.BadParameter(str(e)) from None
     sys.exit(asyncio.run(_serve(settings, vllm_settings)))

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from rollq.protocol import InvalidInput, check_id
+from rollq.protocol import InvalidInput, SwapMode, check_id
 from rollq.queue.connection import DEFAULT_URL
 
 
@@ -41,8 +41,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     """How long a finished job's record stays for `status` (and idempotent submit)."""
     instant_delay_s: float = 0.0
     """InstantEngine only: seconds each group takes."""
-    swap_mode: Literal["drain", "interrupt"] = "drain"
-    """How to swap to a new version: finish running groups first, or cut and continue them."""
+    swap_mode: SwapMode = "drain"
+    """How to swap to a new version: finish running groups first, cut and continue them, or
+    keep them with their KV cache (jobs that do not accept the mode are drained)."""
     pin_version: int | None = None
     """Serve this version only (e.g. to evaluate a checkpoint); never follow the registry."""
     base_version: int = 0

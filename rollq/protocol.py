@@ -140,6 +140,10 @@ def unpack_floats(data: bytes) -> list[float]:
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 
 
+SwapMode = Literal["drain", "interrupt", "keep"]
+"""How a worker swaps weights under running groups (docs/architecture.md, "Swaps")."""
+
+
 class Sampling(msgspec.Struct, **_WIRE):
     """Sampling settings of one job; vLLM's defaults and meanings (`top_k=0` disables it)."""
 
@@ -170,6 +174,14 @@ class Sampling(msgspec.Struct, **_WIRE):
     text_if_tokenizer: bool = False
     """As `return_text` where the worker's model has a tokenizer; a worker without one returns no
     text instead of failing the group (the gateway's completions: text is optional there)."""
+    swap_modes: tuple[SwapMode, ...] = ("drain", "interrupt")
+    """How a running group of this job may cross a weight swap (the worker's `--swap-mode`
+    decides which kind of swap it makes): `interrupt` cut and continued under the new version
+    (KV recomputed: exact per-token segments), `keep` paused and resumed with its KV cache (the
+    tokens after the swap attend to KV the older version computed: not any one version's exact
+    distribution). A swap of a mode not listed drains the group first (it finishes on its
+    version), which every job accepts. The default keeps every token exact; list `keep` to let
+    keep-mode workers swap under this job's groups."""
 
 
 class Chat(msgspec.Struct, **_WIRE):

@@ -69,7 +69,8 @@ def render(status: PolicyStatus, console: Console) -> None:
     for col in ("worker", "version", "state", "in flight", "last beat", "last error"):
         workers.add_column(col)
     for w in status.workers:
-        workers.add_row(w.worker_id + (" (pinned)" if w.pinned else ""), str(w.version), w.state,
+        version = str(w.version) + (f" + adapters {', '.join(map(str, w.adapters))}" if w.adapters else "")
+        workers.add_row(w.worker_id + (" (pinned)" if w.pinned else ""), version, w.state,
                         str(w.inflight), f"{time.time() - w.at:.0f} s ago", w.last_error or "-")
     console.print(workers)
     queues = Table(title="trainers", title_justify="left")

@@ -1,7 +1,9 @@
 """Fixtures of the vLLM swap tests: one float32 engine per test module (the tests swap it), the
 weights of versions 1-3 with a transformers model of each, and greedy references per version."""
 
+from bisect import bisect_right
 from functools import cache
+from itertools import groupby
 
 import pytest
 import torch
@@ -83,3 +85,33 @@ class Reference:
         for (version, start), end in zip(sample.versions, bounds):
             expected = self.greedy(version, tuple(prompt + tokens[:start]), end - start)
             assert tuple(tokens[start:end]) == expected, f"segment of version {version} at {start}"
+
+    @torch.no_grad()
+    def check_kept(self, prompt: list[int], sample) -> None:
+        """What a `keep` swap promises, under transformers: every token is the greedy choice of
+        the version its segment names, attending to KV that each position's own version computed.
+
+        The step that samples token k runs its inputs through the weights of that moment: the
+        prompt's KV comes from the version of token 0, and token k's KV (fed as input one step
+        later) from the version of token k + 1. So across a swap the tokens before it keep the
+        old version's KV, and a from-scratch continuation (`check`) would differ.
+        """
+        from transformers import DynamicCache
+
+        tokens, starts = sample.token_ids, [start for _, start in sample.versions]
+
+        def version_of(k: int) -> int:
+            return sample.versions[bisect_right(starts, k) - 1][0]
+
+        ids, p = prompt + tokens, len(prompt)
+        by_position = [version_of(max(0, q - p + 1)) for q in range(len(ids) - 1)]
+        cache, choices, q = DynamicCache(), [], 0
+        for version, run in groupby(by_position):
+            end = q + len(list(run))
+            out = self.models[version](torch.tensor([ids[q:end]]), past_key_values=cache, use_cache=True)
+            choices += out.logits[0].argmax(-1).tolist()
+            q = end
+        for k, token in enumerate(tokens):
+            assert choices[p - 1 + k] == token, (
+                f"token {k} (version {version_of(k)}): {token}, the kept-KV greedy choice is "
+                f"{choices[p - 1 + k]}")

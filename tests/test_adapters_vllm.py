@@ -13,13 +13,16 @@ import pytest
 from conftest import engine_flags
 from helpers import collect, wait_until
 from models import greedy, make_lora, token_logprobs
+from rich.console import Console
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rollq.protocol import FileDigest, InvalidInput, VersionEntry, decode_version
+from rollq.queue.workers import live_workers
 from rollq.registry.adapters import CONFIG, WEIGHTS
 from rollq.registry.safetensors_check import WeightError, dir_schema
 from rollq.registry.store import DIGEST, digest_file
 from rollq.registry.versions import Registry
+from rollq.status import policy_status, render
 
 PROMPTS = [[1, 7 + 13 * i, 3 + i] for i in range(4)]
 GREEDY = {"temperature": 0.0, "max_tokens": 24, "logprobs": 0}
@@ -130,6 +133,18 @@ async def test_three_adapter_versions_are_served_side_by_side_without_a_swap(
     assert sorted(worker.adapters.loaded) == [1, 2, 3]
     assert worker.engine.version == 0 and worker.stats.totals.swaps == 0
     assert lora_engine._swaps_begun == 0
+    # The heartbeat lists them, and `rollq status` shows them.
+    keys = publisher.keys
+    beats = await wait_until(lambda: _beat_with_adapters(publisher.redis, keys), what="adapters in the beat")
+    assert [(b.version, b.adapters) for b in beats] == [(0, [1, 2, 3])]
+    console = Console(record=True, width=200)
+    render(await policy_status(publisher.redis, keys.policy), console)
+    assert "0 + adapters 1, 2, 3" in console.export_text()
+
+
+async def _beat_with_adapters(redis, keys):
+    beats = await live_workers(redis, keys)
+    return beats if any(b.adapters for b in beats) else None
 
 
 async def _register_raw(publisher, version: int, directory: Path) -> None:

@@ -6,6 +6,7 @@ wait instead of failing. Generation itself is tested on vLLM in test_swap_safety
 import asyncio
 import threading
 
+import msgspec
 import pytest
 import torch
 from helpers import collect, wait_until
@@ -45,7 +46,7 @@ class FileCheckingEngine(InstantEngine):
         self.entries = entries
         self.loads: list[tuple[int, str]] = []
 
-    async def swap(self, version, path, *, interrupt=False):
+    async def swap(self, version, path, *, interrupt=False, keep=False):
         try:
             verify(path, self.entries[version].files)
             seen = "intact"
@@ -54,7 +55,7 @@ class FileCheckingEngine(InstantEngine):
         self.loads.append((version, seen))
         if seen != "intact":  # what vLLM does with missing files: the load fails
             raise RuntimeError(seen)
-        return await super().swap(version, path, interrupt=interrupt)
+        return await super().swap(version, path, interrupt=interrupt, keep=keep)
 
 
 def gated_check(monkeypatch, version: int) -> threading.Event:
@@ -283,3 +284,10 @@ def test_snapshot_copy_refuses_a_link_or_fifo_put_in_place_after_the_checks(tmp_
     expected = FileDigest("model.safetensors", "0" * 64, real.stat().st_size)
     with pytest.raises(WeightError, match="model.safetensors: is (a symbolic link|not a regular file)"):
         swap_module._copy_checked(source, tmp_path / "copy.safetensors", expected)
+
+
+def test_groups_with_images_are_drained_not_cut():
+    """A continuation from prompt + tokens so far carries no images: such groups drain."""
+    plain = WorkItem("j", 0, pack_tokens([1]), 1, Sampling(), 0.0)
+    with_image = msgspec.structs.replace(plain, images=["ab" * 32])
+    assert interruptible(plain, 2) and not interruptible(with_image, 2)

@@ -17,26 +17,33 @@ from swap_fixtures import (GREEDY, PROMPTS, Reference, engine_v1, follower,  # n
                            publisher, swap_engine, versions)
 
 
-@pytest.mark.parametrize("mode", ["drain", "interrupt"])
+@pytest.mark.parametrize("mode", ["drain", "interrupt", "keep"])
 async def test_publish_while_200_groups_run(mode, publisher, follower, versions):
     """128 tokens a group: the 176 groups left when v2 is published run for several seconds, so
     the swap begins while they run (with 48 tokens they took ~1.5 s, and a clean CI run once
-    finished them all on v1 before the interrupting swap began)."""
+    finished them all on v1 before the interrupting swap began). In keep mode the job accepts
+    keep, and each sample is checked against what keep promises (`Reference.check_kept`)."""
     weights, models = versions
     worker = follower(swap_mode=mode)
-    await publisher.submit([p for p in PROMPTS for _ in range(8)], n=1, sampling=GREEDY | {"max_tokens": 128})
+    accepts = {"swap_modes": ["keep"]} if mode == "keep" else {}
+    await publisher.submit([p for p in PROMPTS for _ in range(8)], n=1,
+                           sampling=GREEDY | {"max_tokens": 128} | accepts)
     results = await collect(publisher, 24, timeout_s=120)
     await publisher.publish_weights(2, weights[2])
     results += await collect(publisher, 200 - 24, timeout_s=240)
     assert Counter(r.group_index for r in results) == Counter(range(200))
     reference = Reference(models)
-    segments = Counter()
+    segments, kept_differs = Counter(), 0
     for r in results:
         assert r.status == "ok", r.reason
         [sample] = r.samples
-        reference.check(r.prompt_ids, sample)
+        if mode == "keep":
+            reference.check_kept(r.prompt_ids, sample)
+            kept_differs += len(sample.versions) > 1 and not _recomputed(reference, r.prompt_ids, sample)
+        else:
+            reference.check(r.prompt_ids, sample)
         segments[tuple(v for v, _ in sample.versions)] += 1
-    print(mode, dict(segments), worker.stats.totals.last_swap)
+    print(mode, dict(segments), worker.stats.totals.last_swap, "kept KV changed", kept_differs)
     # On failure, what the follower saw, and how busy the loop's default executor (where the
     # snapshot check runs) was: a clean CI run once served all 200 on v1 with no swap begun.
     executor = getattr(asyncio.get_running_loop(), "_default_executor", None)
@@ -51,6 +58,57 @@ async def test_publish_while_200_groups_run(mode, publisher, follower, versions)
     else:
         assert segments[(1, 2)] > 0, "no sample was cut by the swap"
         assert set(segments) <= {(1,), (2,), (1, 2)}
+    if mode == "keep":  # the KV really was kept: some continuations differ from a recomputed one
+        assert kept_differs > 0, "every kept sample equals v2's continuation with recomputed KV"
+
+
+async def test_a_job_that_declines_keep_is_never_served_across_a_keep_swap(
+        publisher, follower, versions):
+    """A keep-mode worker drains the groups whose job does not list `keep` (the default) while the
+    groups that accept it go on across the swap; and no request of the new version reuses KV that
+    the old weights computed (vLLM's prefix cache cannot be reset under frozen requests)."""
+    weights, models = versions
+    worker = follower(swap_mode="keep")
+    # A prompt longer than a KV block (128 tokens on CPU): its first block stays in the prefix cache.
+    long = [1] + [3 + (37 * i) % 500 for i in range(150)]
+    await publisher.submit([long], n=1, sampling=GREEDY | {"max_tokens": 4})
+    results = await collect(publisher, 1, timeout_s=60)
+    # The exact groups are shorter than the kept ones, so the kept ones still run after the drain.
+    kept = await publisher.submit(PROMPTS[:16], n=1,
+                                  sampling=GREEDY | {"max_tokens": 240, "swap_modes": ["keep"]})
+    exact = await publisher.submit(PROMPTS[16:24], n=1, sampling=GREEDY | {"max_tokens": 100})
+    await wait_until(lambda: len(worker.admission.generating) == 24, what="all 24 groups running")
+    await publisher.publish_weights(2, weights[2])
+    await wait_until(lambda: worker.state != "serving" or worker.engine.version == 2, timeout_s=30,
+                     what="the swap to begin")
+    running = {item.job_id for item in worker.admission.generating.values()}
+    assert running == {kept, exact}, f"the swap should begin while both jobs run ({worker.state})"
+    await wait_until(lambda: worker.engine.version == 2, timeout_s=60, what="swap to v2")
+    after = await publisher.submit([long], n=1, sampling=GREEDY | {"max_tokens": 16})
+    results += await collect(publisher, 25, timeout_s=120)
+    reference = Reference(models)
+    segments = {kept: Counter(), exact: Counter()}
+    for r in results:
+        assert r.status == "ok", r.reason
+        [sample] = r.samples
+        if r.job_id == after:  # v2 from scratch: no block of the v1 request was reused
+            assert sample.versions == [(2, 0)]
+            reference.check(r.prompt_ids, sample)
+        elif r.job_id in segments:
+            segments[r.job_id][tuple(v for v, _ in sample.versions)] += 1
+            (reference.check if r.job_id == exact else reference.check_kept)(r.prompt_ids, sample)
+    print(segments, worker.stats.totals.last_swap)
+    assert segments[exact] == Counter({(1,): 8}), "a job that declines keep was served across a swap"
+    assert segments[kept][(1, 2)] > 0, "no group was kept across the swap"
+
+
+def _recomputed(reference, prompt, sample) -> bool:
+    """Does the sample also equal each version's continuation from scratch (what interrupt does)?"""
+    try:
+        reference.check(prompt, sample)
+    except AssertionError:
+        return False
+    return True
 
 
 async def test_min_version_waits_and_never_gets_an_older_token(publisher, follower, versions):
@@ -155,7 +213,8 @@ async def _beat_reports(redis, keys, text) -> bool:
     return any(text in w.last_error for w in await live_workers(redis, keys))
 
 
-async def test_load_error_keeps_the_old_version_serving(publisher, follower, versions, engine_v1):
+@pytest.mark.parametrize("mode", ["drain", "keep"])
+async def test_load_error_keeps_the_old_version_serving(mode, publisher, follower, versions, engine_v1):
     weights, models = versions
     rpc = engine_v1.llm.collective_rpc
     calls = []
@@ -168,7 +227,7 @@ async def test_load_error_keeps_the_old_version_serving(publisher, follower, ver
 
     engine_v1.llm.collective_rpc = fail_first_load
     try:
-        worker = follower()
+        worker = follower(swap_mode=mode)
         await publisher.publish_weights(2, weights[2])
         await wait_until(lambda: 2 in worker.cannot_load, what="v2 given up")
         assert worker.engine.version == 1 and "simulated load failure" in worker.last_error

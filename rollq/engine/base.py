@@ -48,11 +48,13 @@ class Engine(Protocol):
         """
         ...
 
-    async def swap(self, version: int, path: str, *, interrupt: bool = False) -> dict[str, float]:
+    async def swap(self, version: int, path: str, *, interrupt: bool = False,
+                   keep: bool = False) -> dict[str, float]:
         """Load the weights of `version` from `path` (already verified) and serve them.
 
         `interrupt`: running groups are cut and continue under the new weights (their samples
-        get one version segment per version); else they finish on the old weights first. On a
+        get one version segment per version); `keep`: they pause and go on under the new weights
+        with their KV cache (segments too); else they finish on the old weights first. On a
         load error the engine serves its old version and the error is raised. Returns the
         seconds spent in each phase (e.g. pause, load, resume), for metrics and benchmarks.
         """

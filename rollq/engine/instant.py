@@ -55,7 +55,8 @@ class InstantEngine:
         ]
         return Generated(samples, prompt)
 
-    async def swap(self, version: int, path: str, *, interrupt: bool = False) -> dict[str, float]:
+    async def swap(self, version: int, path: str, *, interrupt: bool = False,
+                   keep: bool = False) -> dict[str, float]:
         self._version = version
         return {}
 

@@ -350,7 +350,7 @@ class VLLMEngine:
             self._adding += 1
             self._no_adds.clear()
             try:
-                outputs = await self.llm.add_request(request_id, prompt, params,
+                outputs = await self.llm.add_request(request_id, self._salted(prompt), params,
                                                      lora_request=lora_request)
             finally:
                 self._adding -= 1
@@ -382,13 +382,16 @@ class VLLMEngine:
             f"{request_id}-{index}-{len(state.tokens)}")
         return final.outputs[0], version, epoch
 
-    async def swap(self, version: int, path: str, *, interrupt: bool = False) -> dict[str, float]:
+    async def swap(self, version: int, path: str, *, interrupt: bool = False,
+                   keep: bool = False) -> dict[str, float]:
         """Load `version` (already verified). `interrupt`: abort running requests, which then
-        continue under the new weights; else wait for them. All or nothing: on a load error the
+        continue under the new weights; `keep`: freeze them with their KV cache, which they go on
+        with under the new weights; else wait for them. All or nothing: on a load error the
         old weights are loaded back and the error raised; if even that fails the engine is dead
         (`alive` False, EngineDead raised) rather than serving a model without weights. Returns
-        seconds per phase: pause (running requests finish or are cut), load (vLLM reads the files
-        into the model, one probe token), resume (version label, prefix cache reset, resumed)."""
+        seconds per phase: pause (running requests finish, are cut or frozen), load (vLLM reads
+        the files into the model, one probe token), resume (version label, prefix cache reset,
+        resumed)."""
         llm = self.llm
         self._swaps_begun += 1  # closes the gate in `_request`
         phases, mark = {}, time.monotonic()
@@ -400,14 +403,24 @@ class VLLMEngine:
 
         try:
             # Requests that passed the gate before it closed reach vLLM before the pause, so the
-            # pause drains or cuts them, and nothing but the probe runs on unproven weights.
+            # pause drains, cuts or freezes them, and nothing unexpected runs beside the probe.
             await self._no_adds.wait()
-            await llm.pause_generation(mode="abort" if interrupt else "wait", clear_cache=True)
-            lap("pause")
-            await self._load_or_restore(version, path)  # labels the loaded version too
-            lap("load")
+            if keep:
+                # clear_cache=False: clearing would preempt the frozen requests and drop their KV
+                # (vLLM's scheduler reset_prefix_cache(reset_running_requests=True)), which their
+                # resume would then recompute with the new weights.
+                await llm.pause_generation(mode="keep", clear_cache=False)
+                lap("pause")
+                await self._load_kept(version, path)
+                lap("load")
+            else:
+                await llm.pause_generation(mode="abort" if interrupt else "wait", clear_cache=True)
+                lap("pause")
+                await self._load_or_restore(version, path)  # labels the loaded version too
+                lap("load")
             self._version, self._weights_path, self._labelled = version, path, True
-            await llm.reset_prefix_cache()
+            if not keep:  # (a keep swap cannot: the frozen requests hold blocks; see _salted)
+                await llm.reset_prefix_cache()
         finally:
             if not self._dead:  # a dead engine's queued requests must not run on empty layers
                 if self._no_adapter is not None:
@@ -418,6 +431,40 @@ class VLLMEngine:
             done.set()
         lap("resume")
         return phases
+
+    async def _load_kept(self, version: int, path: str) -> None:
+        """A keep swap's load: the frozen requests run again as soon as generation resumes,
+        beside the probe token, on the weights just loaded (labelled with their version first).
+
+        A load that raises has run nothing on the new weights: the old ones are loaded back and
+        the frozen requests finish on them (the fallback's probe drains them), exactly. A load
+        that passes but whose probe is not finite has let the frozen requests sample on those
+        weights, so the engine gives up (dead; the worker hands the groups it holds back,
+        counted, and exits). The worker refuses non-finite weights before a keep swap
+        (`worker/swap.py: check_finite`), so this takes finite weights giving non-finite
+        logits; a frozen request that finished before the probe answered (with every sequence
+        slot taken, the probe waits for one) has then had its result written."""
+        llm = self.llm
+        try:
+            await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        except Exception:
+            await self._load_or_restore(self._version, self._weights_path)
+            raise
+        await llm.update_weight_version(str(version))
+        await llm.resume_generation()
+        logprob = await self._probe()
+        if not math.isfinite(logprob):
+            await llm.pause_generation(mode="abort", clear_cache=True)
+            self._dead = (f"version {version} loaded under running requests (keep swap) gives a "
+                          f"logprob of {logprob}: their tokens since cannot be trusted")
+            log.error("engine unusable: %s", self._dead)
+            raise EngineDead(self._dead)
+
+    def _salted(self, prompt: dict) -> dict:
+        """vLLM's prefix cache keyed by the version a request starts under: after a keep swap the
+        frozen requests hold their blocks, so the cache cannot be reset, and blocks the old
+        weights computed would otherwise be reused by requests of the new version."""
+        return prompt | {"cache_salt": f"rollq-v{self._version}"}
 
     async def _load_or_restore(self, version: int, path: str) -> None:
         try:

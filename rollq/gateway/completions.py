@@ -22,7 +22,8 @@ from redis.exceptions import RedisError
 
 from rollq import __version__
 from rollq.gateway.http import ApiError
-from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling, unpack_floats, unpack_tokens
+from rollq.protocol import (GroupResult, InvalidInput, Sample, Sampling, SwapMode, unpack_floats,
+                            unpack_tokens)
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
@@ -61,6 +62,8 @@ class OpenAIRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_version: int | None = None
     exact_version: int | None = None
     timeout_s: float = 600.0
+    swap_modes: list[SwapMode] | None = None
+    """How a running group may cross a weight swap (`Sampling.swap_modes`; None: its default)."""
 
 
 class CompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=True):
@@ -89,6 +92,8 @@ def shared_sampling(req: OpenAIRequest, max_tokens: int | None) -> dict[str, Any
         extra["min_tokens"] = req.min_tokens
     # Stop strings are matched on the worker, on text vLLM decodes there (the worker needs a tokenizer).
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if req.swap_modes is not None:
+        given["swap_modes"] = tuple(req.swap_modes)
     return {k: v for k, v in given.items() if v is not None} | dict(extra=extra, stop=stop)
 
 

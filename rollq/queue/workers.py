@@ -58,6 +58,8 @@ class WorkerState(msgspec.Struct, frozen=True):
     totals: Totals = msgspec.field(default_factory=Totals)
     target: int | None = None
     """The version this worker is verifying, draining toward or loading (None: no swap)."""
+    adapters: list[int] = []
+    """Adapter versions loaded in its engine beside `version`, served without a swap."""
 
 
 async def live_workers(redis: Redis, keys: Keys) -> list[WorkerState]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import msgspec
 from redis.asyncio import Redis
@@ -22,13 +23,15 @@ class Heartbeat:
         self.holds: set[int] = set()
         """Versions this worker has pinned (set by the version follower)."""
         self.target: int | None = None
+        self.adapters: Iterable[int] = ()
+        """Adapter versions loaded in the engine (the version follower's `ResidentAdapters.loaded`)."""
         self._pinned_to: int | None = None
 
     async def beat(self, *, version: int, inflight: int, state: str, last_error: str = "",
                    pinned: bool = False, totals: Totals | None = None) -> None:
         now = time.time()
         beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned,
-                           totals or Totals(), self.target)
+                           totals or Totals(), self.target, sorted(self.adapters))
         # No MULTI (a cluster pipeline cannot be one): live_workers reads only beats whose key
         # exists, so a sorted-set entry without its beat is harmless.
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -27,25 +28,22 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from rollq.protocol import FileDigest, VersionEntry
+from rollq.protocol import FileDigest, SwapMode, VersionEntry
 from rollq.registry.safetensors_check import (Schema, WeightError, check_compatible, check_header,
                                               open_regular)
 from rollq.registry.store import check_digest, refuse_links, refuse_unsafe
 from rollq.registry.versions import Registry
 from rollq.worker.resident import ResidentAdapters
-from rollq.worker.windows import interruptible
+from rollq.worker.windows import interruptible, keepable
 
 if TYPE_CHECKING:
     from rollq.worker.loop import Worker
 
 log = logging.getLogger("rollq.worker")
-
-SwapMode = Literal["drain", "interrupt"]
-
 
 class Snapshots:
     """This worker's private copies of the versions it loads (a temp dir, `TMPDIR` decides where)."""
@@ -126,8 +124,10 @@ def copy_version(entry: VersionEntry, into: Path) -> None:
         _copy_checked(source / d.name, into / d.name, d)
 
 
-def check_version(entry: VersionEntry, base_schema: Schema | None, into: Path) -> None:
-    """Copy the version into `into` (a private snapshot) and check the copy; raises WeightError."""
+def check_version(entry: VersionEntry, base_schema: Schema | None, into: Path, *,
+                  finite: bool = False) -> None:
+    """Copy the version into `into` (a private snapshot) and check the copy; raises WeightError.
+    `finite`: also refuse a NaN or infinite value (keep swaps, see `check_finite`)."""
     if entry.kind != "full":
         raise WeightError(f"version {entry.version} is an adapter on version {entry.base}, not "
                           "full weights: it cannot be swapped in")
@@ -135,6 +135,23 @@ def check_version(entry: VersionEntry, base_schema: Schema | None, into: Path) -
     schema = snapshot_schema(into)
     if base_schema is not None:  # complete: every tensor the served model needs, right shapes
         check_compatible(schema, base_schema, f"version {entry.version}")
+    if finite:
+        check_finite(into)
+
+
+def check_finite(directory: Path) -> None:
+    """A keep swap resumes the frozen requests on the new weights before the engine's probe token
+    answers, so weights a diverged trainer published with NaN or inf are refused here, while the
+    old version still serves (one more read of the snapshot, from the page cache)."""
+    import torch
+    from safetensors import safe_open
+
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                t = tensors.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise WeightError(f"{f.name}: tensor {name!r} holds NaN or infinite values")
 
 
 async def swap_to(worker: Worker, entry: VersionEntry, path: Path, mode: SwapMode, *,
@@ -146,16 +163,17 @@ async def swap_to(worker: Worker, entry: VersionEntry, path: Path, mode: SwapMod
     version, began = entry.version, time.monotonic()
     worker.state = "draining"
     adapters = worker.adapters
-    if mode == "drain":
-        await worker.admission.close(lambda item: True)
-    else:  # groups the new version may not serve, or that cannot be continued exactly, finish
-        # first; so do groups on adapters (an adapter applies on the weights being replaced)
-        await worker.admission.close(lambda item: not interruptible(item, version) or (
-            adapters is not None and id(item) in adapters.serving))
+    crosses = {"drain": lambda item, version: False, "interrupt": interruptible, "keep": keepable}[mode]
+    # Groups that may not cross this swap finish first: the job declines the mode, the new
+    # version is outside the window, an interrupted continuation would not be exact, or the
+    # group runs on an adapter (it applies on the weights being replaced).
+    await worker.admission.close(lambda item: not crosses(item, version) or (
+        adapters is not None and id(item) in adapters.serving))
     phases = {"verify": verify_s, "drain": time.monotonic() - began}
     worker.state = "swapping"
     try:
-        phases |= await worker.engine.swap(version, str(path), interrupt=mode == "interrupt")
+        phases |= await worker.engine.swap(version, str(path), interrupt=mode == "interrupt",
+                                           keep=mode == "keep")
     except Exception as e:  # the engine is back on its old weights (or dead); report, never retry
         worker.cannot_load.add(version)
         worker.last_error = f"swap to version {version} failed: {type(e).__name__}: {e}"
@@ -189,6 +207,7 @@ class VersionFollower:
         if getattr(worker.engine, "max_loras", 0):  # started with adapter support
             self.adapters = worker.adapters = ResidentAdapters(worker, registry, self.snapshots,
                                                                base_schema)
+            worker.heartbeat.adapters = self.adapters.loaded  # read at each beat
 
     async def run(self) -> None:
         """Until the worker stops (it ends by itself within `poll_s` of that).
@@ -266,7 +285,8 @@ class VersionFollower:
         try:
             checking = time.monotonic()
             await asyncio.get_running_loop().run_in_executor(
-                self._checker, check_version, entry, self.base_schema, snapshot)
+                self._checker, functools.partial(check_version, entry, self.base_schema, snapshot,
+                                                 finite=self.mode == "keep"))
             served = await swap_to(self.worker, entry, snapshot, self.mode,
                                    verify_s=time.monotonic() - checking)
         finally:

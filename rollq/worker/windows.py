@@ -64,13 +64,25 @@ def decide(item: WorkItem, *, loaded: int, pinned: bool, newest: int | None,
 def interruptible(item: WorkItem, version: int) -> bool:
     """May a running group be interrupted and continued, token-exactly, under `version`?
 
-    Not when the window excludes `version`, nor when continuing from "prompt + tokens so far"
-    would change the sampling: a regex restarts its automaton, presence/frequency penalties
-    count only generated tokens, `extra` may hold anything, and a seeded sample continued
-    under another seed would not be the sample its seed promises (drained, it is exact).
+    Not when the job declines it (`sampling.swap_modes`), the window excludes `version`, nor
+    when continuing from "prompt + tokens so far" would change the sampling: a regex restarts
+    its automaton, presence/frequency penalties count only generated tokens, `extra` may hold
+    anything, and a seeded sample continued under another seed would not be the sample its
+    seed promises (drained, it is exact); nor when the group has images (a continuation from
+    token ids alone would drop them).
     """
     if item.max_version is not None and item.max_version < version:
         return False
     s = item.sampling
-    return (s.seed is None and not s.regex and not s.extra and s.presence_penalty == 0
-            and s.frequency_penalty == 0)
+    return ("interrupt" in s.swap_modes and s.seed is None and not s.regex and not s.extra
+            and not item.images and s.presence_penalty == 0 and s.frequency_penalty == 0)
+
+
+def keepable(item: WorkItem, version: int) -> bool:
+    """May a running group be paused and resumed with its KV cache under `version` (a `keep`
+    swap)? Only when its job accepts that its later tokens attend to KV computed by an older
+    version (`sampling.swap_modes`), and its window admits `version`. Sampling settings need no
+    check: the request itself goes on (its seed's generator, regex automaton and penalty counts
+    with it)."""
+    return "keep" in item.sampling.swap_modes and (item.max_version is None
+                                                   or item.max_version >= version)
