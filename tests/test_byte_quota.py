@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from rollq.protocol import QueueFull
-from rollq.queue.keys import WORKERS_GROUP, Keys
+from rollq.queue.keys import Keys
+from rollq.queue.names import Group
 from rollq.queue.scripts import Scripts
 from rollq.security import trainer_acl
 
@@ -50,7 +51,7 @@ async def test_finish_gives_the_bytes_back_and_never_below_zero(make_client, red
     keys, scripts = Keys(policy), Scripts(redis)
     client = make_client("alice", max_outstanding_bytes=100_000)
     await client.submit([PROMPT] * 2, wait=False)
-    reply = await redis.xreadgroup(WORKERS_GROUP, "w1", {keys.work("alice"): ">"}, count=2)
+    reply = await redis.xreadgroup(Group.WORKERS, "w1", {keys.work("alice"): ">"}, count=2)
     entries = reply[0][1]
 
     async def finish(entry_id, raw):

@@ -1,7 +1,8 @@
 """The Lua scripts behind every atomic state transition, loaded from `lua/`.
 
-redis-py's `Script` runs EVALSHA and loads the script again on NOSCRIPT, so a Redis restart
-(which forgets loaded scripts) needs no handling here.
+Each script runs behind `names.lua_preamble()`: its names (fields, groups, states, replies) are
+Python's, never spelled in the script. redis-py's `Script` runs EVALSHA and loads the script
+again on NOSCRIPT, so a Redis restart (which forgets loaded scripts) needs no handling here.
 """
 
 from __future__ import annotations
@@ -13,14 +14,22 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from rollq.queue.connection import check_replicated, durability, queue_wait
+from rollq.queue.names import lua_preamble
 
 NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish", "pin",
          "retire")
 
 
 @cache
-def source(name: str) -> str:
+def body(name: str) -> str:
+    """The script as written in `lua/` (without the preamble)."""
     return resources.files("rollq.queue").joinpath("lua", f"{name}.lua").read_text()
+
+
+@cache
+def source(name: str) -> str:
+    """The script as Redis runs it: the names it uses, then its body."""
+    return lua_preamble() + body(name)
 
 
 class Scripts:

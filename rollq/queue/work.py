@@ -16,13 +16,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from rollq.queue.connection import NotReplicated, check_replicated, durability, queue_wait
-from rollq.queue.keys import WORKERS_GROUP, Keys
+from rollq.queue.keys import Keys
+from rollq.queue.names import Group, JobField, JobState, Reply, WorkField
 from rollq.queue.scripts import Scripts
 
 log = logging.getLogger("rollq.worker")
 
 FINISH_BATCH = 512
 """Most finish calls in one pipelined round trip."""
+_JOB, _GROUP, _ITEM = (f.encode() for f in (WorkField.JOB, WorkField.GROUP, WorkField.ITEM))
+"""Work-entry fields as redis-py returns them."""
 
 
 @dataclass
@@ -62,12 +65,12 @@ def _entry(stream: str, entry_id: bytes, fields: dict | list | None, **extra) ->
     if isinstance(fields, list):  # Lua replies carry fields as a flat list
         fields = dict(zip(fields[::2], fields[1::2]))
     fields = fields or {}
-    group = _text(fields.get(b"g"))
+    group = _text(fields.get(_GROUP))
     return Claimed(
         stream=stream,
         entry_id=_text(entry_id),
-        data=fields.get(b"d"),
-        job_id=_text(fields.get(b"j")),
+        data=fields.get(_ITEM),
+        job_id=_text(fields.get(_JOB)),
         group_index=int(group) if group and group.isdigit() else None,
         **extra,
     )
@@ -93,7 +96,7 @@ class WorkQueue:
 
     async def ensure_group(self, stream: str) -> None:
         try:
-            await self.redis.xgroup_create(stream, WORKERS_GROUP, id="0", mkstream=True)
+            await self.redis.xgroup_create(stream, Group.WORKERS, id="0", mkstream=True)
         except ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
@@ -117,7 +120,7 @@ class WorkQueue:
             asks = [(s, c) for s, c in zip(order, shares) if c > 0]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for stream, count in asks:
-                    pipe.xreadgroup(WORKERS_GROUP, self.consumer, {stream: ">"}, count=count)
+                    pipe.xreadgroup(Group.WORKERS, self.consumer, {stream: ">"}, count=count)
                 replies = await pipe.execute(raise_on_error=False)
             candidates = []
             for (stream, count), reply in zip(asks, replies):
@@ -134,7 +137,7 @@ class WorkQueue:
             return got
         try:
             reply = await self.redis.xreadgroup(
-                WORKERS_GROUP, self.consumer, {s: ">" for s in streams}, count=1, block=block_ms
+                Group.WORKERS, self.consumer, {s: ">" for s in streams}, count=1, block=block_ms
             )
         except ResponseError as e:
             # UNBLOCKED: the stream was deleted while we blocked on it (a wiped Redis).
@@ -205,7 +208,7 @@ class WorkQueue:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
             for stream in streams:
-                pipe.xpending_range(stream, WORKERS_GROUP, "-", "+", limit,
+                pipe.xpending_range(stream, Group.WORKERS, "-", "+", limit,
                                     consumername=self.consumer, idle=idle_ms)
             replies = await pipe.execute(raise_on_error=False)
         found = []
@@ -233,8 +236,8 @@ class WorkQueue:
         return [c for c in held if c.key in lost_ids]
 
     async def finish(self, claimed: Claimed, status: str, payload: bytes, *,
-                     dead_reason: str = "") -> str:
-        """Append the group's result and ack its entry, if still ours: 'ok', 'dup' or 'lost'.
+                     dead_reason: str = "") -> Reply:
+        """Append the group's result and ack its entry, if still ours: OK, DUP or LOST.
 
         Calls made while another batch is on the wire (or in the same event-loop turn) go out
         together in one pipelined round trip. Each is still its own script call, so fencing is
@@ -253,7 +256,7 @@ class WorkQueue:
         self._finishing.append((call, reply))
         if self._finisher is None or self._finisher.done():
             self._finisher = asyncio.create_task(self._send_finishes(), name="finish-batches")
-        return _text(await reply)
+        return Reply(_text(await reply))
 
     async def _send_finishes(self) -> None:
         await asyncio.sleep(0)  # let the other groups completing in this loop turn join the batch
@@ -299,12 +302,12 @@ class WorkQueue:
             )
         return released
 
-    async def job_states(self, claimed: list[Claimed]) -> dict[tuple[str, str], str | None]:
-        """The state of each entry's job by entry key: `pending`, `done`, `cancelled`, or None
-        for a job without a record (or an entry that names none)."""
+    async def job_states(self, claimed: list[Claimed]) -> dict[tuple[str, str], JobState | None]:
+        """The state of each entry's job by entry key; None for a job without a record (or an
+        entry that names none)."""
         named = [c for c in claimed if c.job_id]
         async with self.redis.pipeline(transaction=False) as pipe:
             for c in named:
-                pipe.hget(self.keys.job(self.keys.trainer_of(c.stream), c.job_id), "state")
+                pipe.hget(self.keys.job(self.keys.trainer_of(c.stream), c.job_id), JobField.STATE)
             states = await pipe.execute()
-        return {c.key: _text(s) for c, s in zip(named, states)}
+        return {c.key: None if s is None else JobState(_text(s)) for c, s in zip(named, states)}
