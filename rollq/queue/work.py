@@ -250,7 +250,9 @@ class WorkQueue:
         group = "" if claimed.group_index is None or not claimed.job_id else str(claimed.group_index)
         keys = (claimed.stream, results, self.keys.job(trainer, job_id), self.keys.done(trainer, job_id),
                 outstanding_bytes)
-        args = (claimed.entry_id, group, status, payload, dead_reason, claimed.data or b"")
+        raw = claimed.data or b""
+        # The item goes back to Redis only into a dead letter: the byte count needs its size.
+        args = (claimed.entry_id, group, status, payload, dead_reason, len(raw), raw if dead_reason else b"")
         reply = asyncio.get_running_loop().create_future()
         self._finishing.append((keys, args, reply))
         if self._finisher is None or self._finisher.done():

@@ -2,11 +2,12 @@
 -- owns it (fencing per entry: one entry lost or already done changes nothing for the others).
 -- KEYS: errors hash, dead-letter stream, then 5 per entry: work stream, result stream, job,
 --       done hash, outstanding-bytes counter (the raw item's bytes leave it with the entry)
--- ARGV: consumer, job ttl (s), then 6 per entry: entry id, group index ('' when unknown), status,
---       result payload, dead-letter reason ('' for none), raw item (kept in the dead letter)
+-- ARGV: consumer, job ttl (s), then 7 per entry: entry id, group index ('' when unknown), status,
+--       result payload, dead-letter reason ('' for none), the raw item's size in bytes, the raw
+--       item (kept in the dead letter; '' when there is none: only its size travels)
 -- Returns per entry REPLY_OK, REPLY_DUP (the group already had its result: entry dropped) or
 -- REPLY_LOST (not ours).
-local function finish(stream, results, job, done, nbytes, id, group, status, payload, reason, raw)
+local function finish(stream, results, job, done, nbytes, id, group, status, payload, reason, size, raw)
   local pending = redis.call('XPENDING', stream, GROUP_WORKERS, id, id, 1)
   if #pending == 0 or pending[1][2] ~= ARGV[1] then
     return REPLY_LOST
@@ -14,7 +15,7 @@ local function finish(stream, results, job, done, nbytes, id, group, status, pay
   redis.call('XACK', stream, GROUP_WORKERS, id)
   -- Consumed entries are deleted rather than trimmed: nothing pending is ever cut away.
   redis.call('XDEL', stream, id)
-  if redis.call('DECRBY', nbytes, #raw) < 0 then
+  if redis.call('DECRBY', nbytes, size) < 0 then
     redis.call('SET', nbytes, 0)
   end
   redis.call('HDEL', KEYS[1], id)
@@ -43,11 +44,11 @@ end
 
 local replies = {}
 for i = 0, (#KEYS - 2) / 5 - 1 do
-  local k, a = 2 + 5 * i, 2 + 6 * i
+  local k, a = 2 + 5 * i, 2 + 7 * i
   -- An error (a key of the wrong type, a job record without `groups`) fails its own entry, as
   -- when every entry was a script call of its own; what it wrote before the error stays.
   local ok, reply = pcall(finish, KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5],
-    ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6])
+    ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7])
   if not ok and not reply.err then
     reply = redis.error_reply(tostring(reply))
   end
