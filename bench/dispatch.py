@@ -38,8 +38,10 @@ BATCH = 256
 
 
 def _spawn(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    # The checkout's rollq, not whichever one is installed (an editable install of another
+    # checkout made the workers run that one's code).
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE,
-                            env=os.environ | {"PYTHONPATH": str(HERE)} | (env or {}))
+                            env=os.environ | {"PYTHONPATH": f"{HERE}:{HERE.parent}"} | (env or {}))
 
 
 async def _wait(predicate, timeout_s: float = 60) -> None:

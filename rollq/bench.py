@@ -54,7 +54,7 @@ def _dispatch(r: dict) -> list[str]:
             "| system | groups/s | rollq / this |", "|---|---|---|"]
     for name, rate in r["groups_per_s"].items():
         rows.append(f"| {name} | {rate:,.0f} | {rollq / rate:.2f}x |")
-    targets = [("rollq / bare redis-py >= 0.5", r["rollq_vs_bare"] >= 0.5),
+    targets = [("rollq / bare redis-py >= 0.6", r["rollq_vs_bare"] >= 0.6),
                ("rollq / saq >= 5", r["rollq_vs_saq"] >= 5), ("rollq / arq >= 5", r["rollq_vs_arq"] >= 5)]
     rows += ["", "Targets: " + "; ".join(f"{t}: {_met(ok)}" for t, ok in targets) + "."]
     return rows

@@ -279,22 +279,24 @@ async def _quota_drift(client: RolloutClient) -> int:
 async def _postmortem(url: str, lost: list[tuple[str, int]]) -> None:
     """Where the lost groups are: their job's record, the work stream, the result stream."""
     from rollq.protocol import decode_result, peek_header
-    from rollq.queue.keys import WORKERS_GROUP, Keys
+    from rollq.queue.keys import Keys
+    from rollq.queue.names import Group, JobField, ResultField, WorkField
 
     keys, redis = Keys(POLICY), connect(url)
     try:
         work = {}
         for entry_id, fields in await redis.xrange(keys.work("trainer")):
-            header = peek_header(fields.get(b"d", b""))
+            header = peek_header(fields.get(WorkField.ITEM.encode(), b""))
             if header is not None:
                 work[(header.job_id, header.group_index)] = entry_id.decode()
         pending = {e["message_id"].decode(): e for e in await redis.xpending_range(
-            keys.work("trainer"), WORKERS_GROUP, "-", "+", 100_000)}
-        unread = {(r.job_id, r.group_index) for r in (decode_result(f[b"d"]) for _, f in
-                                                     await redis.xrange(keys.results("trainer")))}
+            keys.work("trainer"), Group.WORKERS, "-", "+", 100_000)}
+        results = await redis.xrange(keys.results("trainer"))
+        unread = {(r.job_id, r.group_index)
+                  for r in (decode_result(f[ResultField.RESULT.encode()]) for _, f in results)}
         for job, group in lost[:20]:
             entry = work.get((job, group))
-            state = await redis.hget(keys.job("trainer", job), "state")
+            state = await redis.hget(keys.job("trainer", job), JobField.STATE)
             console.print(
                 f"[red]lost {job}/{group}[/red]: job state {state}, "
                 f"done {await redis.hget(keys.done('trainer', job), str(group))}, work entry {entry} "

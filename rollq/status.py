@@ -9,7 +9,8 @@ from redis.asyncio import Redis
 from rich.console import Console
 from rich.table import Table
 
-from rollq.queue.keys import WORKERS_GROUP, Keys
+from rollq.queue.keys import EVERY_POLICY, Keys, policy_of
+from rollq.queue.names import Group
 from rollq.registry.versions import Registry
 from rollq.queue.workers import WorkerState, live_workers
 
@@ -36,9 +37,9 @@ class PolicyStatus(msgspec.Struct):
 async def policies(redis: Redis) -> list[str]:
     """Policies with trainers, registered versions or workers."""
     found = set()
-    for kind in ("trainers", "latest", "workers"):
-        async for key in redis.scan_iter(match=f"rollq:{{*}}:{kind}", count=1000):
-            found.add(key.decode().split("{", 1)[1].split("}", 1)[0])
+    for pattern in (EVERY_POLICY.trainers, EVERY_POLICY.latest, EVERY_POLICY.workers):
+        async for key in redis.scan_iter(match=pattern, count=1000):
+            found.add(policy_of(key.decode()))
     return sorted(found)
 
 
@@ -52,7 +53,7 @@ async def policy_status(redis: Redis, policy: str) -> PolicyStatus:
         total = await redis.xlen(stream)
         running = 0
         if total:
-            running = (await redis.xpending(stream, WORKERS_GROUP))["pending"]
+            running = (await redis.xpending(stream, Group.WORKERS))["pending"]
         queues.append(TrainerQueue(trainer, total - running, running,
                                    await redis.xlen(keys.results(trainer)),
                                    int(await redis.get(keys.outstanding(trainer)) or 0)))

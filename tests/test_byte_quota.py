@@ -8,8 +8,9 @@ import asyncio
 import pytest
 
 from rollq.protocol import QueueFull
-from rollq.queue.keys import WORKERS_GROUP, Keys
-from rollq.queue.scripts import Scripts
+from rollq.queue.keys import Keys
+from rollq.queue.names import Group
+from rollq.queue.work import Claimed, WorkQueue
 from rollq.security import trainer_acl
 
 PROMPT = list(range(4000))
@@ -46,27 +47,24 @@ async def test_a_job_bigger_than_the_byte_quota_can_never_fit(make_client):
 
 
 async def test_finish_gives_the_bytes_back_and_never_below_zero(make_client, redis, policy):
-    """finish.lua with the counter as its 7th key: what the worker passes (work.py)."""
-    keys, scripts = Keys(policy), Scripts(redis)
+    """finish.lua gives an entry's bytes back to the counter when it finishes the entry."""
+    keys, queue = Keys(policy), WorkQueue(redis, Keys(policy), "w1", job_ttl_s=600)
     client = make_client("alice", max_outstanding_bytes=100_000)
     await client.submit([PROMPT] * 2, wait=False)
-    reply = await redis.xreadgroup(WORKERS_GROUP, "w1", {keys.work("alice"): ">"}, count=2)
+    reply = await redis.xreadgroup(Group.WORKERS, "w1", {keys.work("alice"): ">"}, count=2)
     entries = reply[0][1]
 
     async def finish(entry_id, raw):
-        return await scripts.finish(
-            keys=[keys.work("alice"), keys.results("alice"), keys.job("alice", "-"), keys.done("alice", "-"),
-                  keys.errors, keys.dead, keys.outstanding_bytes("alice")],
-            args=["w1", entry_id, "", "ok", b"r", 600, "", raw], client=redis)
+        return await queue.finish(Claimed(keys.work("alice"), entry_id.decode(), raw, None, None), "ok", b"r")
 
     before = await queued_bytes(redis, policy, "alice")
     (id1, f1), (id2, f2) = entries
-    assert await finish(id1, f1[b"d"]) == b"ok"
+    assert await finish(id1, f1[b"d"]) == "ok"
     assert await queued_bytes(redis, policy, "alice") == before - len(f1[b"d"])
-    assert await finish(id1, f1[b"d"]) == b"lost"  # not ours any more: nothing given back twice
+    assert await finish(id1, f1[b"d"]) == "lost"  # not ours any more: nothing given back twice
     assert await queued_bytes(redis, policy, "alice") == before - len(f1[b"d"])
     await redis.set(keys.outstanding_bytes("alice"), 5)  # drift (say, a hand-edited counter)
-    assert await finish(id2, f2[b"d"]) == b"ok"
+    assert await finish(id2, f2[b"d"]) == "ok"
     assert await queued_bytes(redis, policy, "alice") == 0
 
 

@@ -32,8 +32,9 @@ from rollq.engine.instant import InstantEngine, expected_tokens
 from rollq.protocol import pack_tokens
 from rollq.queue import results
 from rollq.queue.connection import Durability, connect, parse_url
-from rollq.queue.keys import TRAINER_GROUP, Keys
-from rollq.queue.work import WORKERS_GROUP, WorkQueue
+from rollq.queue.keys import Keys
+from rollq.queue.names import Group
+from rollq.queue.work import WorkQueue
 from rollq.security import trainer_acl
 from rollq.status import policies, policy_status
 from rollq.worker.loop import Worker
@@ -257,7 +258,7 @@ async def test_acl_users_on_every_node(cluster, redis, make_worker, policy):
 
 
 async def _pending(redis, stream: str, count: int) -> bool:
-    return (await redis.xpending(stream, WORKERS_GROUP))["pending"] == count
+    return (await redis.xpending(stream, Group.WORKERS))["pending"] == count
 
 
 async def test_a_failover_under_a_group_is_a_warning_not_a_traceback(cluster, make_client, policy, caplog):
@@ -333,7 +334,7 @@ async def test_a_consumer_group_lost_with_its_primary_is_made_again(cluster, red
     trainer = make_client("alice")
     await trainer.submit([[1]], n=1, sampling={"max_tokens": 2})
     await collect(trainer, 1, timeout_s=30)
-    await redis.xgroup_destroy(Keys(policy).results("alice"), TRAINER_GROUP)
+    await redis.xgroup_destroy(Keys(policy).results("alice"), Group.TRAINER)
     await asyncio.sleep(0.3)  # the next read looks for orphans first
     await trainer.submit([[2]], n=1, sampling={"max_tokens": 2})
     [again] = await collect(trainer, 1, timeout_s=30)

@@ -14,7 +14,8 @@ from rollq.client import SyncRolloutClient
 from rollq.engine.instant import InstantEngine
 from rollq.protocol import GroupResult, InvalidInput
 from rollq.queue.connection import connect
-from rollq.queue.keys import TRAINER_GROUP, Keys
+from rollq.queue.keys import Keys
+from rollq.queue.names import Group
 from rollq.queue.results import ResultReader
 from rollq.queue.work import WorkQueue
 from rollq.worker.loop import Worker
@@ -90,7 +91,7 @@ async def test_breaking_out_of_results_strands_nothing(make_client, make_worker,
     await client.ack()
     assert await client.outstanding() == 0
     new_job = await client.submit([[1]] * 10, wait=False)  # the quota is free again (QueueFull before)
-    pending = await redis.xpending(client.keys.results("trainer"), TRAINER_GROUP)
+    pending = await redis.xpending(client.keys.results("trainer"), Group.TRAINER)
     assert pending["pending"] == 0
     # And a restarted trainer (a new client) is handed nothing twice: only the 10 new ones.
     again = await make_client().take(10, timeout_s=5)

@@ -10,7 +10,8 @@ import pytest
 from helpers import collect, wait_until
 
 from rollq.protocol import InvalidInput, QueueFull, check_id
-from rollq.queue.keys import WORKERS_GROUP, Keys
+from rollq.queue.keys import Keys
+from rollq.queue.names import Group
 
 
 async def test_worker_that_lost_every_lease_at_full_capacity_claims_again(make_client, make_worker,
@@ -23,8 +24,8 @@ async def test_worker_that_lost_every_lease_at_full_capacity_claims_again(make_c
     await wait_until(lambda: len(worker._held) == 1, what="the worker holds the group")
     # Another worker takes the group over (as after a stall past the lease) and finishes it.
     [(entry_id, _)] = await redis.xrange(stream)
-    await redis.xclaim(stream, WORKERS_GROUP, "thief", 0, [entry_id], justid=True)
-    await redis.xack(stream, WORKERS_GROUP, entry_id)
+    await redis.xclaim(stream, Group.WORKERS, "thief", 0, [entry_id], justid=True)
+    await redis.xack(stream, Group.WORKERS, entry_id)
     await wait_until(lambda: not worker._held, what="the worker drops the lost group")
     await client.submit([[2], [3]], n=1)
     results = await collect(client, 2, timeout_s=15)
@@ -40,7 +41,7 @@ async def test_reclaim_is_fair_across_trainers(make_client, make_worker, redis, 
     keys = Keys(policy)
     # b's group is held by a worker that died: its lease lapses, only reclaim can deliver it.
     stream_b = keys.work("b")
-    [[_, [(entry_id, _)]]] = await redis.xreadgroup(WORKERS_GROUP, "dead-worker", {stream_b: ">"},
+    [[_, [(entry_id, _)]]] = await redis.xreadgroup(Group.WORKERS, "dead-worker", {stream_b: ">"},
                                                      count=1)
     make_worker(max_inflight=4, lease_s=0.5)
     [result] = await collect(other, 1, timeout_s=15)
@@ -138,7 +139,7 @@ async def test_a_lost_claim_reply_does_not_burn_a_delivery(make_client, make_wor
     await client.submit([[8]], n=1)
     stream = client.keys.work("trainer")
     # The reply of the worker's read is lost: the entry is delivered to it, and it never knows.
-    delivered = await redis.xreadgroup(WORKERS_GROUP, "w-lost-reply", {stream: ">"}, count=1)
+    delivered = await redis.xreadgroup(Group.WORKERS, "w-lost-reply", {stream: ">"}, count=1)
     assert delivered and delivered[0][1]
     make_worker("w-lost-reply", max_deliveries=1, lease_s=2.0)
     [result] = await collect(client, 1, timeout_s=15)

@@ -343,7 +343,7 @@ async def test_results_of_a_lost_read_reply_are_read_again(make_client, make_wor
     """A read whose reply was lost (redis-py retried it after the connection dropped) leaves
     results pending that nobody was handed; the reader finds and delivers them."""
     from rollq.queue import results
-    from rollq.queue.keys import TRAINER_GROUP
+    from rollq.queue.names import Group
 
     monkeypatch.setattr(results, "ORPHAN_CHECK_S", 0.2, raising=False)
     client = make_client()
@@ -353,7 +353,7 @@ async def test_results_of_a_lost_read_reply_are_read_again(make_client, make_wor
     await wait_until(lambda: redis.xlen(client.keys.results("trainer")), what="more results")
     await asyncio.sleep(0.5)
     # What the lost reply delivered: pending for the trainer's consumer, never handed out.
-    lost = await redis.xreadgroup(TRAINER_GROUP, "trainer", {client.keys.results("trainer"): ">"})
+    lost = await redis.xreadgroup(Group.TRAINER, "trainer", {client.keys.results("trainer"): ">"})
     assert lost and len(lost[0][1]) == 2
     rest = await collect(client, 2, timeout_s=10)
     assert sorted(r.group_index for r in first + rest) == [0, 1, 2]

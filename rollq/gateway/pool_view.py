@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollq.queue.keys import Keys
+from rollq.queue.names import DeadField
 from rollq.status import PolicyStatus, policies, policy_status
 from rollq.queue.workers import LAG_BUCKETS, Totals
 
@@ -120,7 +121,7 @@ class PoolSampler:
         for entry_id, fields in await self.redis.xrevrange(Keys(policy).dead, count=10):
             at = int(entry_id.decode().split("-")[0]) / 1000
             out.append(dict(at=at, job_id="", group_index=-1, status="dead-lettered",
-                            reason=fields.get(b"reason", b"").decode(errors="replace")[:300],
+                            reason=fields.get(DeadField.REASON.encode(), b"").decode(errors="replace")[:300],
                             worker=""))
         return out
 

@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 
 from rollq.protocol import QueueFull, decode_meta
 from rollq.queue.keys import Keys
+from rollq.queue.names import JobField, JobState, Reply
 from rollq.queue.scripts import Scripts, call_durably
 
 
@@ -18,8 +19,7 @@ class JobStatus(msgspec.Struct, frozen=True):
 
     job_id: str
     trainer_id: str
-    state: str
-    """`pending`, `done` (every group has its result) or `cancelled`."""
+    state: JobState
     groups: int
     done: int
     ok: int
@@ -69,13 +69,13 @@ async def enqueue(
               "" if max_version is None else max_version, byte_quota, *items],
     )
     verdict = reply[0].decode()
-    if verdict == "bytes":
+    if verdict == Reply.BYTES:
         queued, limit, size = int(reply[1]), int(reply[2]), int(reply[3])
         raise QueueFull(f"trainer {trainer!r} has {queued} bytes of prompts queued; this job's "
                         f"{size} bytes would pass its quota of {limit} bytes (max_outstanding_bytes; "
                         "items count until a worker finishes them)", limit=quota, groups=len(items),
                         queued_bytes=queued, byte_limit=limit, job_bytes=size)
-    if verdict == "full":
+    if verdict == Reply.FULL:
         outstanding, limit = int(reply[1]), int(reply[2])
         if len(items) > limit:
             message = (f"{len(items)} groups can never fit trainer {trainer!r}'s quota of {limit} "
@@ -84,7 +84,7 @@ async def enqueue(
             message = (f"trainer {trainer!r} has {outstanding} outstanding groups; {len(items)} more "
                        f"would pass its quota of {limit} (results count until acknowledged)")
         raise QueueFull(message, outstanding=outstanding, limit=limit, groups=len(items))
-    return Enqueued(created=verdict == "ok")
+    return Enqueued(created=verdict == Reply.OK)
 
 
 async def outstanding(redis: Redis, keys: Keys, trainer: str) -> int:
@@ -103,18 +103,18 @@ async def job_status(redis: Redis, keys: Keys, trainer: str, job_id: str) -> Job
     field = {k.decode(): v for k, v in record.items()}
     return JobStatus(
         job_id=job_id,
-        trainer_id=field["trainer"].decode(),
-        state=field["state"].decode(),
-        groups=int(field["groups"]),
-        done=int(field["done"]),
-        ok=int(field["ok"]),
-        failed=int(field["failed"]),
-        expired=int(field["expired"]),
-        cancelled=int(field["cancelled"]),
-        created_at=float(field["created_at"]),
-        deadline=float(field["deadline"]),
-        finished_at=float(field.get("finished_at", 0)),
-        meta=decode_meta(field["meta"]),
+        trainer_id=field[JobField.TRAINER].decode(),
+        state=JobState(field[JobField.STATE].decode()),
+        groups=int(field[JobField.GROUPS]),
+        done=int(field[JobField.DONE]),
+        ok=int(field[JobField.OK]),
+        failed=int(field[JobField.FAILED]),
+        expired=int(field[JobField.EXPIRED]),
+        cancelled=int(field[JobField.CANCELLED]),
+        created_at=float(field[JobField.CREATED_AT]),
+        deadline=float(field[JobField.DEADLINE]),
+        finished_at=float(field.get(JobField.FINISHED_AT, 0)),
+        meta=decode_meta(field[JobField.META]),
     )
 
 

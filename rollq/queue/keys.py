@@ -10,12 +10,7 @@ from dataclasses import dataclass
 
 from rollq.protocol import check_id
 
-WORKERS_GROUP = "workers"
-"""Consumer group of every work stream."""
-TRAINER_GROUP = "trainer"
-"""Consumer group of every result stream."""
-RELEASED_CONSUMER = "_released"
-"""Owner of work items handed back by a worker; anyone may reclaim them at once."""
+PREFIX = "rollq"
 
 
 @dataclass(frozen=True)
@@ -27,7 +22,7 @@ class Keys:
 
     @property
     def _p(self) -> str:
-        return f"rollq:{{{self.policy}}}"
+        return f"{PREFIX}:{{{self.policy}}}"
 
     def work(self, trainer: str) -> str:
         """Work stream of one trainer: one entry per prompt group."""
@@ -133,3 +128,23 @@ class Keys:
         if not work_stream.startswith(prefix):
             raise ValueError(f"{work_stream!r} is not a work stream of policy {self.policy!r}")
         return work_stream[len(prefix):]
+
+
+class _EveryPolicy(Keys):
+    """Keys whose policy is the glob `*`: patterns that match a key of every policy."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
+EVERY_POLICY = _EveryPolicy("*")
+"""`EVERY_POLICY.trainers` is the glob of every policy's trainers set (for SCAN)."""
+
+
+def policy_of(key: str) -> str:
+    """The policy of one of rollq's keys (the text inside its hash tag)."""
+    head = f"{PREFIX}:{{"
+    end = key.find("}", len(head))
+    if not key.startswith(head) or end < 0:
+        raise ValueError(f"{key!r} is not a rollq key")
+    return key[len(head):end]

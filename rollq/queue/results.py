@@ -25,13 +25,15 @@ from redis.exceptions import ResponseError
 
 from rollq.protocol import GroupResult, decode_result
 from rollq.queue.connection import NotReplicated, check_replicated, durability, queue_wait
-from rollq.queue.keys import TRAINER_GROUP, Keys
+from rollq.queue.keys import Keys
+from rollq.queue.names import Group, ResultField
 from rollq.queue.scripts import Scripts, call_durably
 
 log = logging.getLogger("rollq.client")
 
 ACK_CHUNK = 1000
 """Ids per ack call (Lua's unpack has a stack limit)."""
+_RESULT = ResultField.RESULT.encode()
 ORPHAN_CHECK_S = 5.0
 """How often to look for pending entries never handed out, and how old they must be."""
 
@@ -55,7 +57,7 @@ class ResultReader:
 
     async def _ensure_group(self) -> None:
         try:
-            await self.redis.xgroup_create(self.stream, TRAINER_GROUP, id="0", mkstream=True)
+            await self.redis.xgroup_create(self.stream, Group.TRAINER, id="0", mkstream=True)
         except ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
@@ -116,7 +118,7 @@ class ResultReader:
             out, junk = [], []
             for entry_id, fields in entries:
                 entry_id = entry_id.decode()
-                data = (fields or {}).get(b"d")
+                data = (fields or {}).get(_RESULT)
                 if data is None:  # deleted after it was read: nothing to deliver
                     junk.append(entry_id)
                     continue
@@ -138,10 +140,10 @@ class ResultReader:
         them out again. Once a replica holds the delivery it holds the entries read too."""
         wanted = durability(self.redis)
         if not wanted.replicas:
-            return await self.redis.xreadgroup(TRAINER_GROUP, self.consumer, {self.stream: start},
+            return await self.redis.xreadgroup(Group.TRAINER, self.consumer, {self.stream: start},
                                                count=count, block=block_ms)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xreadgroup(TRAINER_GROUP, self.consumer, {self.stream: start}, count=count, block=block_ms)
+            pipe.xreadgroup(Group.TRAINER, self.consumer, {self.stream: start}, count=count, block=block_ms)
             queue_wait(pipe, self.stream, wanted)
             reply, replicas = await pipe.execute(raise_on_error=False)
         if isinstance(reply, Exception):
@@ -157,7 +159,7 @@ class ResultReader:
 
     async def _has_orphans(self) -> bool:
         try:
-            pending = await self.redis.xpending_range(self.stream, TRAINER_GROUP, "-", "+", 10_000,
+            pending = await self.redis.xpending_range(self.stream, Group.TRAINER, "-", "+", 10_000,
                                                       consumername=self.consumer)
         except ResponseError as e:
             # The group is gone (a wiped Redis, or made just before a primary died): the read

@@ -1,7 +1,10 @@
 """The Lua scripts behind every atomic state transition, loaded from `lua/`.
 
-redis-py's `Script` runs EVALSHA and loads the script again on NOSCRIPT, so a Redis restart
-(which forgets loaded scripts) needs no handling here.
+Each script runs behind `names.lua_preamble()`: its names (fields, groups, states, replies) are
+Python's, never spelled in the script. Called alone, redis-py's `Script` runs EVALSHA and loads
+the script again on NOSCRIPT. In a pipeline it would first ask SCRIPT EXISTS, one more round
+trip per pipeline; `pipelined` sends bare EVALSHA and loads only when Redis answers NOSCRIPT (a
+restart forgets loaded scripts).
 """
 
 from __future__ import annotations
@@ -11,16 +14,25 @@ from importlib import resources
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
-from rollq.queue.connection import check_replicated, durability, queue_wait
+from rollq.queue.connection import Durability, check_replicated, durability, queue_wait
+from rollq.queue.names import lua_preamble
 
 NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish", "pin",
          "retire")
 
 
 @cache
-def source(name: str) -> str:
+def body(name: str) -> str:
+    """The script as written in `lua/` (without the preamble)."""
     return resources.files("rollq.queue").joinpath("lua", f"{name}.lua").read_text()
+
+
+@cache
+def source(name: str) -> str:
+    """The script as Redis runs it: the names it uses, then its body."""
+    return lua_preamble() + body(name)
 
 
 class Scripts:
@@ -42,6 +54,48 @@ class Scripts:
     retire: AsyncScript
 
 
+Call = tuple[AsyncScript, list, list]
+"""A script with its keys and arguments."""
+
+
+async def pipelined(redis: Redis, calls: list[Call], *, durable_key: str | None = None):
+    """Run `calls` in one pipeline (one round trip), each as a bare EVALSHA; returns their replies
+    (errors as values) and, when `durable_key` is given and the connection asks for durability,
+    the reply of a WAIT sent behind them on the same connection (else None).
+
+    A call answered NOSCRIPT did not run: its script is loaded (SCRIPT LOAD, which a trainer's ACL
+    allows where EVAL of its submit script is not) and those calls are sent again, in order, with
+    a WAIT of their own. A cluster pipeline resends such calls itself (connection.py)."""
+    wanted = durability(redis) if durable_key is not None else Durability()
+    replies, acked = await _send(redis, calls, durable_key, wanted)
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        for script in {calls[i][0].sha: calls[i][0] for i in missing}.values():
+            await redis.script_load(script.script)
+        again, acked_again = await _send(redis, [calls[i] for i in missing], durable_key, wanted)
+        for i, reply in zip(missing, again):
+            replies[i] = reply
+        acked = _fewer(acked, acked_again)
+    return replies, acked
+
+
+async def _send(redis: Redis, calls: list[Call], durable_key: str | None, wanted: Durability):
+    async with redis.pipeline(transaction=False) as pipe:
+        for script, keys, args in calls:
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        if wanted.replicas:
+            queue_wait(pipe, durable_key, wanted)
+        replies = await pipe.execute(raise_on_error=False)
+    return (replies[:-1], replies[-1]) if wanted.replicas else (replies, None)
+
+
+def _fewer(acked, acked_again):
+    """The weaker of two WAIT replies: the writes of both sends must be on the replicas."""
+    if acked is None or isinstance(acked, Exception):
+        return acked
+    return acked_again if isinstance(acked_again, Exception) else min(int(acked), int(acked_again))
+
+
 async def call_durably(script: AsyncScript, redis: Redis, *, keys: list, args: list):
     """`script(keys, args)` on `redis`; when the connection asks for durability (a URL's
     `durable_replicas`), its reply only after WAIT shows that many replicas hold its writes (else
@@ -49,10 +103,7 @@ async def call_durably(script: AsyncScript, redis: Redis, *, keys: list, args: l
     wanted = durability(redis)
     if not wanted.replicas:
         return await script(keys=keys, args=args, client=redis)
-    async with redis.pipeline(transaction=False) as pipe:
-        await script(keys=keys, args=args, client=pipe)
-        queue_wait(pipe, keys[0], wanted)
-        reply, acked = await pipe.execute(raise_on_error=False)
+    [reply], acked = await pipelined(redis, [(script, keys, args)], durable_key=keys[0])
     if isinstance(reply, Exception):
         raise reply
     check_replicated(acked, wanted)

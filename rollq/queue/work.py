@@ -15,14 +15,17 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from rollq.queue.connection import NotReplicated, check_replicated, durability, queue_wait
-from rollq.queue.keys import WORKERS_GROUP, Keys
-from rollq.queue.scripts import Scripts
+from rollq.queue.connection import NotReplicated, check_replicated, durability
+from rollq.queue.keys import Keys
+from rollq.queue.names import Group, JobField, JobState, Reply, WorkField
+from rollq.queue.scripts import Scripts, pipelined
 
 log = logging.getLogger("rollq.worker")
 
 FINISH_BATCH = 512
-"""Most finish calls in one pipelined round trip."""
+"""Most groups finished by one script call."""
+_JOB, _GROUP, _ITEM = (f.encode() for f in (WorkField.JOB, WorkField.GROUP, WorkField.ITEM))
+"""Work-entry fields as redis-py returns them."""
 
 
 @dataclass
@@ -62,12 +65,12 @@ def _entry(stream: str, entry_id: bytes, fields: dict | list | None, **extra) ->
     if isinstance(fields, list):  # Lua replies carry fields as a flat list
         fields = dict(zip(fields[::2], fields[1::2]))
     fields = fields or {}
-    group = _text(fields.get(b"g"))
+    group = _text(fields.get(_GROUP))
     return Claimed(
         stream=stream,
         entry_id=_text(entry_id),
-        data=fields.get(b"d"),
-        job_id=_text(fields.get(b"j")),
+        data=fields.get(_ITEM),
+        job_id=_text(fields.get(_JOB)),
         group_index=int(group) if group and group.isdigit() else None,
         **extra,
     )
@@ -84,7 +87,8 @@ class WorkQueue:
         self.scripts = Scripts(redis)
         self._rotation = 0
         self._reclaim_cursor: dict[str, str] = {}
-        self._finishing: list[tuple[tuple[list, list], asyncio.Future]] = []
+        self._finishing: list[tuple[tuple, tuple, asyncio.Future]] = []
+        self._by_stream: dict[str, tuple[str, str, str]] = {}
         self._finisher: asyncio.Task | None = None
 
     async def streams(self) -> list[str]:
@@ -93,7 +97,7 @@ class WorkQueue:
 
     async def ensure_group(self, stream: str) -> None:
         try:
-            await self.redis.xgroup_create(stream, WORKERS_GROUP, id="0", mkstream=True)
+            await self.redis.xgroup_create(stream, Group.WORKERS, id="0", mkstream=True)
         except ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
@@ -117,7 +121,7 @@ class WorkQueue:
             asks = [(s, c) for s, c in zip(order, shares) if c > 0]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for stream, count in asks:
-                    pipe.xreadgroup(WORKERS_GROUP, self.consumer, {stream: ">"}, count=count)
+                    pipe.xreadgroup(Group.WORKERS, self.consumer, {stream: ">"}, count=count)
                 replies = await pipe.execute(raise_on_error=False)
             candidates = []
             for (stream, count), reply in zip(asks, replies):
@@ -134,7 +138,7 @@ class WorkQueue:
             return got
         try:
             reply = await self.redis.xreadgroup(
-                WORKERS_GROUP, self.consumer, {s: ">" for s in streams}, count=1, block=block_ms
+                Group.WORKERS, self.consumer, {s: ">" for s in streams}, count=1, block=block_ms
             )
         except ResponseError as e:
             # UNBLOCKED: the stream was deleted while we blocked on it (a wiped Redis).
@@ -205,7 +209,7 @@ class WorkQueue:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
             for stream in streams:
-                pipe.xpending_range(stream, WORKERS_GROUP, "-", "+", limit,
+                pipe.xpending_range(stream, Group.WORKERS, "-", "+", limit,
                                     consumername=self.consumer, idle=idle_ms)
             replies = await pipe.execute(raise_on_error=False)
         found = []
@@ -223,61 +227,73 @@ class WorkQueue:
         by_stream: dict[str, list[Claimed]] = {}
         for c in held:
             by_stream.setdefault(c.stream, []).append(c)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for stream, items in by_stream.items():
-                await self.scripts.renew(keys=[stream],
-                                         args=[self.consumer, *(c.entry_id for c in items)],
-                                         client=pipe)
-            replies = await pipe.execute()
+        replies, _ = await pipelined(self.redis, [
+            (self.scripts.renew, [stream], [self.consumer, *(c.entry_id for c in items)])
+            for stream, items in by_stream.items()])
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
         lost_ids = {(s, _text(i)) for s, reply in zip(by_stream, replies) for i in reply}
         return [c for c in held if c.key in lost_ids]
 
     async def finish(self, claimed: Claimed, status: str, payload: bytes, *,
-                     dead_reason: str = "") -> str:
-        """Append the group's result and ack its entry, if still ours: 'ok', 'dup' or 'lost'.
+                     dead_reason: str = "") -> Reply:
+        """Append the group's result and ack its entry, if still ours: OK, DUP or LOST.
 
-        Calls made while another batch is on the wire (or in the same event-loop turn) go out
-        together in one pipelined round trip. Each is still its own script call, so fencing is
-        per entry exactly as if it were sent alone; batching only saves redis-py's per-command
-        cost (connection checkout, a socket write), which dominated the worker's CPU time.
+        Calls made while another batch is on the wire (or in the same event-loop turn) are sent
+        together, as one script call: the script fences each entry exactly as if it were sent
+        alone. Batching saves redis-py's per-command cost (packing, a reply to parse each), which
+        dominated the worker's CPU time moving no-op groups (docs/benchmarks.md).
         """
-        trainer = self.keys.trainer_of(claimed.stream)
+        trainer, results, outstanding_bytes = self._trainer_keys(claimed.stream)
         job_id = claimed.job_id or "-"
-        group = "" if claimed.group_index is None else str(claimed.group_index)
-        call = ([claimed.stream, self.keys.results(trainer), self.keys.job(trainer, job_id),
-                 self.keys.done(trainer, job_id), self.keys.errors, self.keys.dead,
-                 self.keys.outstanding_bytes(trainer)],
-                [self.consumer, claimed.entry_id, group if claimed.job_id else "", status,
-                 payload, self.job_ttl_s, dead_reason, claimed.data or b""])
+        group = "" if claimed.group_index is None or not claimed.job_id else str(claimed.group_index)
+        keys = (claimed.stream, results, self.keys.job(trainer, job_id), self.keys.done(trainer, job_id),
+                outstanding_bytes)
+        raw = claimed.data or b""
+        # The item goes back to Redis only into a dead letter: the byte count needs its size.
+        args = (claimed.entry_id, group, status, payload, dead_reason, len(raw), raw if dead_reason else b"")
         reply = asyncio.get_running_loop().create_future()
-        self._finishing.append((call, reply))
+        self._finishing.append((keys, args, reply))
         if self._finisher is None or self._finisher.done():
             self._finisher = asyncio.create_task(self._send_finishes(), name="finish-batches")
-        return _text(await reply)
+        return Reply(_text(await reply))
+
+    def _trainer_keys(self, stream: str) -> tuple[str, str, str]:
+        """A work stream's trainer, its result stream and byte counter (looked up per result)."""
+        found = self._by_stream.get(stream)
+        if found is None:
+            trainer = self.keys.trainer_of(stream)
+            found = self._by_stream[stream] = (trainer, self.keys.results(trainer),
+                                               self.keys.outstanding_bytes(trainer))
+        return found
 
     async def _send_finishes(self) -> None:
         await asyncio.sleep(0)  # let the other groups completing in this loop turn join the batch
         wanted = durability(self.redis)
         while self._finishing:
             batch, self._finishing = self._finishing[:FINISH_BATCH], self._finishing[FINISH_BATCH:]
+            keys, args = [self.keys.errors, self.keys.dead], [self.consumer, self.job_ttl_s]
+            for entry_keys, entry_args, _ in batch:
+                keys.extend(entry_keys)
+                args.extend(entry_args)
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for (keys, args), _ in batch:
-                        await self.scripts.finish(keys=keys, args=args, client=pipe)
-                    if wanted.replicas:  # one WAIT covers the whole batch
-                        queue_wait(pipe, batch[0][0][0][0], wanted)
-                    replies = await pipe.execute(raise_on_error=False)
+                # One WAIT covers the whole batch.
+                [replies], acked = await pipelined(self.redis, [(self.scripts.finish, keys, args)],
+                                                   durable_key=keys[2])
                 if wanted.replicas:
-                    _warn_unreplicated(replies.pop(), wanted)
+                    _warn_unreplicated(acked, wanted)
+                if isinstance(replies, Exception):
+                    replies = [replies] * len(batch)
             except Exception as e:  # the connection failed: every caller decides whether to retry
                 replies = [e] * len(batch)
             except BaseException:  # cancelled (shutdown): no caller may wait forever
-                for _, future in batch + self._finishing:
+                for *_, future in batch + self._finishing:
                     if not future.done():
                         future.set_exception(RedisConnectionError("finish batch cancelled"))
                 self._finishing = []
                 raise
-            for (_, future), reply in zip(batch, replies):
+            for (*_, future), reply in zip(batch, replies):
                 if future.done():  # its caller was cancelled; the write itself is fenced
                     continue
                 if isinstance(reply, Exception):
@@ -299,12 +315,15 @@ class WorkQueue:
             )
         return released
 
-    async def job_states(self, claimed: list[Claimed]) -> dict[tuple[str, str], str | None]:
-        """The state of each entry's job by entry key: `pending`, `done`, `cancelled`, or None
-        for a job without a record (or an entry that names none)."""
-        named = [c for c in claimed if c.job_id]
+    async def job_states(self, claimed: list[Claimed]) -> dict[tuple[str, str], JobState | None]:
+        """The state of each entry's job by entry key; None for a job without a record (or an
+        entry that names none). Read once per job: a batch holds many groups of few jobs."""
+        jobs = {c.key: self.keys.job(self._trainer_keys(c.stream)[0], c.job_id)
+                for c in claimed if c.job_id}
+        distinct = list(dict.fromkeys(jobs.values()))
         async with self.redis.pipeline(transaction=False) as pipe:
-            for c in named:
-                pipe.hget(self.keys.job(self.keys.trainer_of(c.stream), c.job_id), "state")
-            states = await pipe.execute()
-        return {c.key: _text(s) for c, s in zip(named, states)}
+            for job in distinct:
+                pipe.hget(job, JobField.STATE)
+            states = {job: None if s is None else JobState(_text(s))
+                      for job, s in zip(distinct, await pipe.execute())}
+        return {key: states[job] for key, job in jobs.items()}

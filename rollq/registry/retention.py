@@ -18,6 +18,7 @@ import logging
 from redis.asyncio import Redis
 
 from rollq.queue.keys import Keys
+from rollq.queue.names import JobField, JobState, Reply
 from rollq.registry.safetensors_check import WeightError
 from rollq.registry.store import WeightStore
 from rollq.registry.versions import Registry
@@ -31,8 +32,9 @@ async def needed_by_jobs(redis: Redis, keys: Keys) -> set[tuple[int, int]]:
     job_keys = [j.decode() for j in await redis.smembers(keys.bounded_jobs)]
     windows, finished = set(), []
     for job_key in job_keys:
-        state, lo, hi = await redis.hmget(job_key, "state", "min_version", "max_version")
-        if state is None or state != b"pending":
+        state, lo, hi = await redis.hmget(job_key, JobField.STATE, JobField.MIN_VERSION,
+                                          JobField.MAX_VERSION)
+        if state is None or state.decode() != JobState.PENDING:
             finished.append(job_key)
         else:
             windows.add((int(lo), int(hi)))
@@ -60,7 +62,7 @@ async def retain(redis: Redis, keys: Keys, store: WeightStore | None, keep: int)
     for entry in entries:
         if needed(entry.version):
             continue
-        if await registry.retire(entry.version) != "ok":  # pinned, newest, or someone else's
+        if await registry.retire(entry.version) is not Reply.OK:  # pinned, newest, or someone else's
             continue
         removed.append(entry.version)
         if entry.owned and store is not None:

@@ -6,6 +6,7 @@ from redis.asyncio import Redis
 
 from rollq.protocol import VersionEntry, decode_version, encode
 from rollq.queue.keys import Keys
+from rollq.queue.names import Reply
 from rollq.queue.scripts import Scripts, call_durably
 
 
@@ -25,7 +26,7 @@ class Registry:
             keys=[self.keys.versions, self.keys.latest, self.keys.version_events],
             args=[entry.version, encode(entry)],
         )
-        if verdict == b"stale":
+        if verdict.decode() == Reply.STALE:
             raise VersionConflict(
                 f"policy {self.keys.policy!r}: version {entry.version} refused, the newest is "
                 f"{int(latest)}; versions must strictly increase")
@@ -42,16 +43,16 @@ class Registry:
         found = await self.redis.hgetall(self.keys.versions)
         return sorted((decode_version(v) for v in found.values()), key=lambda e: e.version)
 
-    async def retire(self, version: int) -> str:
+    async def retire(self, version: int) -> Reply:
         """Deregister `version` unless it is the newest or a worker pins it (one script).
 
-        'ok': this caller removed it and owns the deletion of its files; else 'newest',
-        'pinned' or 'gone' (someone else removed it first).
+        OK: this caller removed it and owns the deletion of its files; else NEWEST, PINNED or
+        GONE (someone else removed it first).
         """
         verdict = await self.scripts.retire(
             keys=[self.keys.versions, self.keys.latest, self.keys.pins(version)],
             args=[version], client=self.redis)
-        return verdict.decode()
+        return Reply(verdict.decode())
 
     async def pin(self, version: int, worker_id: str, lease_s: float) -> VersionEntry | None:
         """Lease `version` to a worker (taken again to renew it); None: it is no longer registered.

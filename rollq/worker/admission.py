@@ -21,18 +21,10 @@ class Admission:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    @contextlib.asynccontextmanager
-    async def generation(self, key: tuple[str, str], item: WorkItem):
-        """Enter when the gate is open; a swap waits for the groups inside that it must drain."""
-        while not self._open.is_set():
-            await self._open.wait()
-        # No await between the check and the registration: a closing gate sees this group.
-        self.generating[key] = item
-        try:
-            yield
-        finally:
-            del self.generating[key]
-            self._notify()
+    def generation(self, key: tuple[str, str], item: WorkItem) -> _Inside:
+        """`async with`: enter when the gate is open; a swap waits for the groups inside that it
+        must drain."""
+        return _Inside(self, key, item)
 
     async def close(self, blocking: Callable[[WorkItem], bool]) -> None:
         """Close the gate, then wait until no group inside is one that `blocking` selects."""
@@ -49,3 +41,24 @@ class Admission:
         """Until the gate reopens or a group leaves (at most `timeout_s`)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout_s)
+
+
+class _Inside:
+    """One group past the gate. A class rather than a generator context manager: every group
+    enters once, and the generator's machinery showed in the worker's per-group profile."""
+
+    __slots__ = ("admission", "key", "item")
+
+    def __init__(self, admission: Admission, key: tuple[str, str], item: WorkItem):
+        self.admission, self.key, self.item = admission, key, item
+
+    async def __aenter__(self) -> None:
+        gate = self.admission
+        while not gate._open.is_set():
+            await gate._open.wait()
+        # No await between the check and the registration: a closing gate sees this group.
+        gate.generating[self.key] = self.item
+
+    async def __aexit__(self, *exc) -> None:
+        del self.admission.generating[self.key]
+        self.admission._notify()

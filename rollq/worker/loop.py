@@ -24,6 +24,7 @@ from rollq.images import ImageLoader
 from rollq.protocol import (MAX_N, GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode,
                             peek_header)
 from rollq.queue.connection import unreachable
+from rollq.queue.names import JobState, Reply
 from rollq.queue.work import Claimed, WorkQueue
 from rollq.registry.versions import Registry
 from rollq.worker.admission import Admission
@@ -226,7 +227,7 @@ class Worker:
 
     # --- one group ---------------------------------------------------------------------------
 
-    async def _run_group(self, c: Claimed, job_state: str | None) -> None:
+    async def _run_group(self, c: Claimed, job_state: JobState | None) -> None:
         engine_died = False
         try:
             await self._serve(c, job_state)
@@ -254,7 +255,7 @@ class Worker:
                 del self._held[c.key]
             self._slot_freed.set()
 
-    async def _serve(self, c: Claimed, job_state: str | None) -> None:
+    async def _serve(self, c: Claimed, job_state: JobState | None) -> None:
         if c.deliveries > self.max_deliveries:
             why = c.last_error or "its lease lapsed each time (worker died or stalled)"
             return await self._fail(c, f"gave up after {c.deliveries - 1} deliveries; last error: {why}",
@@ -269,9 +270,8 @@ class Worker:
                 c.job_id, c.group_index = header.job_id, header.group_index
             return await self._fail(c, str(e), dead=True)
         c.job_id, c.group_index = item.job_id, item.group_index
-        if job_state == "cancelled":
-            return await self._finish(c, GroupResult(item.job_id, item.group_index, "cancelled",
-                                                     reason="job cancelled", prompt=item.prompt))
+        if job_state is JobState.CANCELLED:
+            return await self._finish(c, _cancelled(c, self.worker_id, prompt=item.prompt))
         result = await self._generate(c.key, item)
         if result is None:  # another worker (or a later version) serves it
             await self._release_quietly([c], error="", refund=True)
@@ -368,7 +368,7 @@ class Worker:
                             c.group_index, e)
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 2.0)
-        if outcome != "ok":
+        if outcome is not Reply.OK:
             log.warning("group %s/%s: result not written (%s)", c.job_id, c.group_index, outcome)
             return
         self.stats.result(result, max(self.newest or 0, self.engine.version), dead=bool(dead_reason))
@@ -403,12 +403,11 @@ class Worker:
                 lost.task.cancel()
         states = await self.queue.job_states([h.claimed for h in held])
         for h in held:
-            if states.get(h.claimed.key) == "cancelled" and self._held.get(h.claimed.key) is h:
+            if states.get(h.claimed.key) is JobState.CANCELLED and self._held.get(h.claimed.key) is h:
                 h.task.cancel()
                 await asyncio.gather(h.task, return_exceptions=True)
                 c = h.claimed
-                await self._finish(c, GroupResult(c.job_id, c.group_index or 0, "cancelled",
-                                                  reason="job cancelled", worker_id=self.worker_id))
+                await self._finish(c, _cancelled(c, self.worker_id))
                 self._held.pop(c.key, None)
                 self._slot_freed.set()
 
@@ -445,6 +444,13 @@ class Worker:
         except RedisError as e:
             log.warning("could not hand back %d groups (%s); their leases will lapse", len(items), e)
             return 0
+
+
+def _cancelled(c: Claimed, worker_id: str, prompt: bytes = b"") -> GroupResult:
+    """The result of a group whose job was cancelled (before it started or while it ran);
+    group index -1 when the entry never named one, as for other failures."""
+    return GroupResult(c.job_id or "", -1 if c.group_index is None else c.group_index, "cancelled",
+                       reason="job cancelled", prompt=prompt, worker_id=worker_id)
 
 
 def _outside_window(item: WorkItem, samples: list[Sample]) -> str:

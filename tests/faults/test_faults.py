@@ -12,7 +12,8 @@ from collections import Counter
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from rollq.queue.keys import WORKERS_GROUP, Keys
+from rollq.queue.keys import Keys
+from rollq.queue.names import Group
 
 WORKER = dict(instant_delay_s=0.1, lease_s=2.0, max_inflight=4, grace_s=1.0)
 
@@ -33,7 +34,7 @@ async def take_all(client, expected: int, timeout_s: float) -> Counter:
 
 async def assert_nothing_pending(redis, policy: str, trainer: str = "trainer") -> None:
     stream = Keys(policy).work(trainer)
-    assert (await redis.xpending(stream, WORKERS_GROUP))["pending"] == 0
+    assert (await redis.xpending(stream, Group.WORKERS))["pending"] == 0
     assert await redis.xlen(stream) == 0
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from helpers import wait_until
 
-from rollq.queue.keys import TRAINER_GROUP
+from rollq.queue.names import Group
 
 TRAINER = Path(__file__).with_name("crash_trainer.py")
 KILLS = 20
@@ -72,7 +72,7 @@ async def test_trainer_sigkilled_20_times_trains_on_every_group_once(make_client
     assert not counts["dup"], list(counts["dup"])[:5]  # never handed twice to one life, nor after its ack
     stream = client.keys.results("trainer")
     assert await redis.xlen(stream) == 0
-    assert (await redis.xpending(stream, TRAINER_GROUP))["pending"] == 0
+    assert (await redis.xpending(stream, Group.TRAINER))["pending"] == 0
     # The kills did hit between a read and its committed step: those results came back.
     redelivered = sum(1 for key, n in counts["handed"].items() if n > 1)
     print(f"{len(expected)} groups; {trained_before_last} trained before the last life; "

@@ -5,7 +5,7 @@
 -- leak its quota, since nobody could read it again to acknowledge it.
 local acked = 0
 for _, id in ipairs(ARGV) do
-  if redis.call('XACK', KEYS[1], 'trainer', id) == 1 then
+  if redis.call('XACK', KEYS[1], GROUP_TRAINER, id) == 1 then
     redis.call('XDEL', KEYS[1], id)
     acked = acked + 1
   end

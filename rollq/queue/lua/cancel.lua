@@ -3,9 +3,9 @@
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return -1
 end
-local groups = tonumber(redis.call('HGET', KEYS[1], 'groups'))
-local done = tonumber(redis.call('HGET', KEYS[1], 'done'))
+local groups = tonumber(redis.call('HGET', KEYS[1], JOB_GROUPS))
+local done = tonumber(redis.call('HGET', KEYS[1], JOB_DONE))
 if done < groups then
-  redis.call('HSET', KEYS[1], 'state', 'cancelled')
+  redis.call('HSET', KEYS[1], JOB_STATE, STATE_CANCELLED)
 end
 return groups - done

@@ -3,12 +3,12 @@
 --       outstanding-bytes counter
 -- ARGV: trainer, client quota, groups, created_at, deadline, meta, job_id, min_version,
 --       max_version ('' for none), byte quota, item1..itemN
--- Returns {'ok'}, {'dup'} (this job_id exists: idempotent submit), {'full', outstanding, quota}
--- or {'bytes', queued bytes, byte quota, this job's bytes}.
+-- Returns {REPLY_OK}, {REPLY_DUP} (this job_id exists: idempotent submit),
+-- {REPLY_FULL, outstanding, quota} or {REPLY_BYTES, queued bytes, byte quota, this job's bytes}.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   -- A write (of nothing), so that a WAIT after a repeated submit covers the job's record too.
   redis.call('INCRBY', KEYS[4], 0)
-  return {'dup'}
+  return {REPLY_DUP}
 end
 local groups = tonumber(ARGV[3])
 local quota = tonumber(ARGV[2])
@@ -18,7 +18,7 @@ if cap and tonumber(cap) < quota then
 end
 local outstanding = tonumber(redis.call('GET', KEYS[4]) or '0')
 if outstanding + groups > quota then
-  return {'full', outstanding, quota}
+  return {REPLY_FULL, outstanding, quota}
 end
 local nbytes = 0
 for i = 1, groups do
@@ -30,23 +30,23 @@ if redis.call('XLEN', KEYS[2]) == 0 then
 end
 local queued = tonumber(redis.call('GET', KEYS[7]) or '0')
 if queued + nbytes > tonumber(ARGV[10]) then
-  return {'bytes', queued, ARGV[10], nbytes}
+  return {REPLY_BYTES, queued, ARGV[10], nbytes}
 end
 -- '0' so that entries added before any worker starts are still delivered; BUSYGROUP is fine.
-redis.pcall('XGROUP', 'CREATE', KEYS[2], 'workers', '0', 'MKSTREAM')
-redis.call('HSET', KEYS[1], 'trainer', ARGV[1], 'groups', groups, 'done', 0, 'ok', 0,
-  'failed', 0, 'expired', 0, 'cancelled', 0, 'created_at', ARGV[4], 'deadline', ARGV[5],
-  'meta', ARGV[6], 'state', 'pending', 'min_version', ARGV[8])
+redis.pcall('XGROUP', 'CREATE', KEYS[2], GROUP_WORKERS, '0', 'MKSTREAM')
+redis.call('HSET', KEYS[1], JOB_TRAINER, ARGV[1], JOB_GROUPS, groups, JOB_DONE, 0, JOB_OK, 0,
+  JOB_FAILED, 0, JOB_EXPIRED, 0, JOB_CANCELLED, 0, JOB_CREATED_AT, ARGV[4], JOB_DEADLINE, ARGV[5],
+  JOB_META, ARGV[6], JOB_STATE, STATE_PENDING, JOB_MIN_VERSION, ARGV[8])
 if ARGV[9] ~= '' then
   -- An upper bound may need old versions: retention looks here before deleting any.
-  redis.call('HSET', KEYS[1], 'max_version', ARGV[9])
+  redis.call('HSET', KEYS[1], JOB_MAX_VERSION, ARGV[9])
   redis.call('SADD', KEYS[6], KEYS[1])
 end
 for i = 1, groups do
   -- j and g repeat the payload's job and group so a malformed payload can still be named.
-  redis.call('XADD', KEYS[2], '*', 'j', ARGV[7], 'g', i - 1, 'd', ARGV[10 + i])
+  redis.call('XADD', KEYS[2], '*', WORK_JOB, ARGV[7], WORK_GROUP, i - 1, WORK_ITEM, ARGV[10 + i])
 end
 redis.call('INCRBY', KEYS[4], groups)
 redis.call('INCRBY', KEYS[7], nbytes)
 redis.call('SADD', KEYS[3], ARGV[1])
-return {'ok'}
+return {REPLY_OK}

@@ -1,38 +1,57 @@
--- Write the one terminal result of a work entry, if the caller still owns it (fencing).
--- KEYS: work stream, result stream, job, done hash, errors hash, dead-letter stream,
---       outstanding-bytes counter (the raw item's bytes leave it with the entry; optional)
--- ARGV: consumer, entry id, group index ('' when unknown), status, result payload, job ttl (s),
---       dead-letter reason ('' for none), raw item (kept in the dead letter)
--- Returns 'ok', 'dup' (the group already had its result: entry dropped) or 'lost' (not ours).
-local pending = redis.call('XPENDING', KEYS[1], 'workers', ARGV[2], ARGV[2], 1)
-if #pending == 0 or pending[1][2] ~= ARGV[1] then
-  return 'lost'
-end
-redis.call('XACK', KEYS[1], 'workers', ARGV[2])
--- Consumed entries are deleted rather than trimmed: nothing pending is ever cut away.
-redis.call('XDEL', KEYS[1], ARGV[2])
-if KEYS[7] and redis.call('DECRBY', KEYS[7], #ARGV[8]) < 0 then
-  redis.call('SET', KEYS[7], 0)
-end
-redis.call('HDEL', KEYS[5], ARGV[2])
-if ARGV[7] ~= '' then
-  redis.call('XADD', KEYS[6], 'MAXLEN', '~', 100000, '*', 'stream', KEYS[1], 'id', ARGV[2],
-    'reason', ARGV[7], 'item', ARGV[8])
-end
-if ARGV[3] ~= '' and redis.call('EXISTS', KEYS[3]) == 1 then
-  if redis.call('HSETNX', KEYS[4], ARGV[3], ARGV[4]) == 0 then
-    return 'dup'
+-- Write the one terminal result of each of a batch of work entries, each only if the caller still
+-- owns it (fencing per entry: one entry lost or already done changes nothing for the others).
+-- KEYS: errors hash, dead-letter stream, then 5 per entry: work stream, result stream, job,
+--       done hash, outstanding-bytes counter (the raw item's bytes leave it with the entry)
+-- ARGV: consumer, job ttl (s), then 7 per entry: entry id, group index ('' when unknown), status,
+--       result payload, dead-letter reason ('' for none), the raw item's size in bytes, the raw
+--       item (kept in the dead letter; '' when there is none: only its size travels)
+-- Returns per entry REPLY_OK, REPLY_DUP (the group already had its result: entry dropped) or
+-- REPLY_LOST (not ours).
+local function finish(stream, results, job, done, nbytes, id, group, status, payload, reason, size, raw)
+  local pending = redis.call('XPENDING', stream, GROUP_WORKERS, id, id, 1)
+  if #pending == 0 or pending[1][2] ~= ARGV[1] then
+    return REPLY_LOST
   end
-  redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
-  local done = redis.call('HINCRBY', KEYS[3], 'done', 1)
-  if done >= tonumber(redis.call('HGET', KEYS[3], 'groups')) then
-    if redis.call('HGET', KEYS[3], 'state') == 'pending' then
-      redis.call('HSET', KEYS[3], 'state', 'done')
+  redis.call('XACK', stream, GROUP_WORKERS, id)
+  -- Consumed entries are deleted rather than trimmed: nothing pending is ever cut away.
+  redis.call('XDEL', stream, id)
+  if redis.call('DECRBY', nbytes, size) < 0 then
+    redis.call('SET', nbytes, 0)
+  end
+  redis.call('HDEL', KEYS[1], id)
+  if reason ~= '' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', 100000, '*', DEAD_STREAM, stream, DEAD_ID, id,
+      DEAD_REASON, reason, DEAD_ITEM, raw)
+  end
+  if group ~= '' and redis.call('EXISTS', job) == 1 then
+    if redis.call('HSETNX', done, group, status) == 0 then
+      return REPLY_DUP
     end
-    redis.call('HSET', KEYS[3], 'finished_at', redis.call('TIME')[1])
-    redis.call('EXPIRE', KEYS[3], ARGV[6])
-    redis.call('EXPIRE', KEYS[4], ARGV[6])
+    redis.call('HINCRBY', job, status, 1)
+    local finished = redis.call('HINCRBY', job, JOB_DONE, 1)
+    if finished >= tonumber(redis.call('HGET', job, JOB_GROUPS)) then
+      if redis.call('HGET', job, JOB_STATE) == STATE_PENDING then
+        redis.call('HSET', job, JOB_STATE, STATE_DONE)
+      end
+      redis.call('HSET', job, JOB_FINISHED_AT, redis.call('TIME')[1])
+      redis.call('EXPIRE', job, ARGV[2])
+      redis.call('EXPIRE', done, ARGV[2])
+    end
   end
+  redis.call('XADD', results, '*', RESULT_RESULT, payload)
+  return REPLY_OK
 end
-redis.call('XADD', KEYS[2], '*', 'd', ARGV[5])
-return 'ok'
+
+local replies = {}
+for i = 0, (#KEYS - 2) / 5 - 1 do
+  local k, a = 2 + 5 * i, 2 + 7 * i
+  -- An error (a key of the wrong type, a job record without `groups`) fails its own entry, as
+  -- when every entry was a script call of its own; what it wrote before the error stays.
+  local ok, reply = pcall(finish, KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5],
+    ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7])
+  if not ok and not reply.err then
+    reply = redis.error_reply(tostring(reply))
+  end
+  replies[i + 1] = reply
+end
+return replies

@@ -4,14 +4,14 @@
 -- Returns the number released.
 local released = 0
 for i = 4, #ARGV do
-  local pending = redis.call('XPENDING', KEYS[1], 'workers', ARGV[i], ARGV[i], 1)
+  local pending = redis.call('XPENDING', KEYS[1], GROUP_WORKERS, ARGV[i], ARGV[i], 1)
   if #pending == 1 and pending[1][2] == ARGV[1] then
     local deliveries = pending[1][4]
     if ARGV[3] == '1' and deliveries > 0 then
       deliveries = deliveries - 1
     end
     -- A huge IDLE makes the entry look long lapsed, so the next reclaim takes it.
-    redis.call('XCLAIM', KEYS[1], 'workers', '_released', 0, ARGV[i], 'IDLE', 1000000000000,
+    redis.call('XCLAIM', KEYS[1], GROUP_WORKERS, GROUP_RELEASED, 0, ARGV[i], 'IDLE', 1000000000000,
       'RETRYCOUNT', deliveries, 'JUSTID')
     if ARGV[2] ~= '' then
       redis.call('HSET', KEYS[2], ARGV[i], ARGV[2])

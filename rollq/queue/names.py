@@ -1,0 +1,131 @@
+"""Every name inside rollq's Redis values, spelled here and nowhere else: consumer groups, stream
+entry fields, job-record fields, job states and the words the Lua scripts answer with.
+
+Key names are `keys.py`'s. The Lua scripts never spell a name: `scripts.py` prepends
+`lua_preamble()`, one `local PREFIX_MEMBER = 'value'` per member of the enums below, so a script
+writes `JOB_STATE` where Python writes `JobField.STATE`. tests/test_data_model.py fails when a
+script uses a name not defined here, or spells a lowercase word of its own.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import get_args
+
+from rollq.protocol import Status
+
+
+class Group(StrEnum):
+    """Consumer groups and the one pseudo-consumer."""
+
+    WORKERS = "workers"
+    """Consumer group of every work stream."""
+    TRAINER = "trainer"
+    """Consumer group of every result stream."""
+    RELEASED = "_released"
+    """Owner of work entries handed back by a worker; anyone may reclaim them at once."""
+
+
+class WorkField(StrEnum):
+    """Fields of a work-stream entry. `JOB` and `GROUP` repeat the payload's job id and group
+    index, so that an entry whose payload does not decode can still be named."""
+
+    JOB = "j"
+    GROUP = "g"
+    ITEM = "d"
+    """The encoded WorkItem."""
+
+
+class ResultField(StrEnum):
+    """Fields of a result-stream entry."""
+
+    RESULT = "d"
+    """The encoded GroupResult."""
+
+
+class DeadField(StrEnum):
+    """Fields of a dead letter."""
+
+    STREAM = "stream"
+    ID = "id"
+    REASON = "reason"
+    ITEM = "item"
+    """The raw work item, as it was queued."""
+
+
+class EventField(StrEnum):
+    """Fields of a version announcement (the version-events stream)."""
+
+    VERSION = "v"
+
+
+class JobState(StrEnum):
+    """The `state` field of a job record."""
+
+    PENDING = "pending"
+    DONE = "done"
+    """Every group has its terminal result."""
+    CANCELLED = "cancelled"
+    """Cancelled by the trainer: groups without a result end `cancelled`."""
+
+
+class JobField(StrEnum):
+    """Fields of a job record (a hash). The four result counters are named by the result's
+    status (`finish.lua` increments the field its status names), so they are the `Status` words."""
+
+    TRAINER = "trainer"
+    GROUPS = "groups"
+    DONE = "done"
+    """Groups with a terminal result."""
+    OK = "ok"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    CREATED_AT = "created_at"
+    DEADLINE = "deadline"
+    META = "meta"
+    STATE = "state"
+    """A JobState."""
+    MIN_VERSION = "min_version"
+    MAX_VERSION = "max_version"
+    """Only when the job has an upper bound."""
+    FINISHED_AT = "finished_at"
+    """Set when the last group gets its result."""
+
+
+STATUS_COUNTERS = tuple(JobField(s) for s in get_args(Status))
+"""The job-record counter of each result status (a Status the record has no field for fails here,
+at import)."""
+
+
+class Reply(StrEnum):
+    """Words the Lua scripts answer with (each script's header says which it uses)."""
+
+    OK = "ok"
+    DUP = "dup"
+    """enqueue: the job id exists (idempotent submit); finish: the group had its result."""
+    LOST = "lost"
+    """finish: the caller no longer owns the entry (fencing)."""
+    FULL = "full"
+    BYTES = "bytes"
+    STALE = "stale"
+    NEWEST = "newest"
+    PINNED = "pinned"
+    GONE = "gone"
+
+
+LUA_PREFIXES: dict[str, type[StrEnum]] = {
+    "GROUP": Group, "WORK": WorkField, "RESULT": ResultField, "DEAD": DeadField, "EVENT": EventField,
+    "STATE": JobState, "JOB": JobField, "REPLY": Reply,
+}
+"""Lua name of a member: `<prefix>_<member>`, e.g. `JOB_STATE`, `STATE_PENDING`, `GROUP_WORKERS`."""
+
+
+def lua_names() -> dict[str, str]:
+    """Every name a script may use, by its Lua constant."""
+    return {f"{prefix}_{member.name}": member.value
+            for prefix, enum in LUA_PREFIXES.items() for member in enum}
+
+
+def lua_preamble() -> str:
+    return "".join(f"local {name} = '{value}'\n" for name, value in lua_names().items())
