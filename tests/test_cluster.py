@@ -261,23 +261,62 @@ async def _pending(redis, stream: str, count: int) -> bool:
     return (await redis.xpending(stream, Group.WORKERS))["pending"] == count
 
 
+class GatedEngine(InstantEngine):
+    """Groups finish only once the gate opens: the test decides when results are written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def generate_group(self, item):
+        await self.gate.wait()
+        return await super().generate_group(item)
+
+
+def refuses_connections(port: int) -> bool:
+    try:
+        redis_sync.Redis(port=port, socket_connect_timeout=0.5).ping()
+    except redis_sync.ConnectionError:
+        return True
+    return False
+
+
 async def test_a_failover_under_a_group_is_a_warning_not_a_traceback(cluster, make_client, policy, caplog):
     """A group whose result cannot be written while its primary fails over is handed back with
     a one-line warning: a traceback per group (rendered by rich: seconds each on a loaded box)
     would stall the worker's event loop just when it must ride the failover out."""
     caplog.set_level(logging.WARNING, "rollq.worker")
-    # No client-side retries: the result write fails while the slot has no primary, and the
-    # group's 1 s lease runs out before the replica takes over (node timeout 1.5 s).
+    # No client-side retries. The groups finish only after their primary is killed, and its
+    # replica is frozen until the worker has given up writing: the writes fail for longer than
+    # the 1 s lease the worker retries them within. (Before, groups finished at a moment chosen
+    # by a timer and a fast failover could let the retried writes through: flaky.)
     r = connect(cluster.url, retries=0)
-    worker = Worker(WorkQueue(r, Keys(policy), "w1", job_ttl_s=600), InstantEngine(delay_s=1.0),
+    engine = GatedEngine()
+    worker = Worker(WorkQueue(r, Keys(policy), "w1", job_ttl_s=600), engine,
                     max_inflight=4, lease_s=1.0, max_deliveries=5, grace_s=1.0, poll_s=0.1)
     task = asyncio.create_task(worker.run())
+
+    def handed_back() -> bool:
+        return any("handing it back" in x.getMessage() for x in caplog.records if x.name == "rollq.worker")
+
     try:
         client = make_client("alice")
         await client.submit([[1, 2], [3, 4]], n=1, sampling={"max_tokens": 2})
         await wait_until(lambda: _pending(r, Keys(policy).work("alice"), 2),
                          what="the worker holds both groups")
-        await asyncio.to_thread(cluster.fail_over_by_kill, Keys(policy).trainers)
+        primary = cluster.primary_of(Keys(policy).trainers)
+        replica = cluster.replica_of(primary)
+        replica.pause()
+        try:
+            failing_over = asyncio.create_task(
+                asyncio.to_thread(cluster.fail_over_by_kill, Keys(policy).trainers))
+            await wait_until(lambda: asyncio.to_thread(refuses_connections, primary.port),
+                             what="the primary killed")
+            engine.gate.set()
+            await wait_until(handed_back, what="a group handed back")
+        finally:
+            replica.resume()
+        await failing_over
         results = await collect(client, 2, timeout_s=60)
     finally:
         worker.stop()
