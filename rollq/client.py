@@ -624,6 +624,13 @@ class RolloutClient:
         """Groups submitted whose result this trainer has not acknowledged yet."""
         return await jobs.outstanding(self.redis, self.keys, self.trainer_id)
 
+    def episodes(self, *, owner: str | None = None):
+        """Multi-turn episodes of this trainer (`rollq.episodes.Episodes`; close it when done).
+        `owner` names the result stream its turns come back on (default: a fresh one)."""
+        from rollq.episodes import Episodes
+
+        return Episodes(self, owner=owner)
+
 
 class SyncRolloutClient:
     """RolloutClient for synchronous code: the same calls, run on a private event loop thread."""

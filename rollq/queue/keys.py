@@ -118,6 +118,17 @@ class Keys:
         whatever the number of groups and jobs naming it; expires (`rollq/images.py`)."""
         return f"{self._p}:image:{digest}"
 
+    def episode(self, trainer: str, episode_id: str) -> str:
+        """Hash: one multi-turn episode (its token sequence, mask, logprobs, version, state;
+        `names.EpisodeField`); expires `ttl_s` after its last turn began or ended."""
+        return f"{self._p}:episode:{trainer}:{episode_id}"
+
+    @property
+    def episodes(self) -> str:
+        """Sorted set episode key -> expiry (unix s): the live episodes, whose versions retention
+        keeps (entries of expired episodes are dropped by the retention that finds them gone)."""
+        return f"{self._p}:episodes"
+
     @property
     def every_key(self) -> str:
         """Glob pattern matching every key of the policy (ACL rules, scans)."""
