@@ -16,8 +16,9 @@ by one script (`episode_apply.lua`), idempotent on the turn's job id. `n` branch
 turn is one group of n samples, and branch i (`<episode_id>.<i>`) continues from sample i.
 
 Turns are submitted as the derived trainer `<trainer>~episodes~<owner>`, whose results one router
-task of this object reads, applies and acknowledges. Not built yet: routing a turn to the worker
-that served the previous one (the record keeps it in `worker`).
+task of this object reads, applies and acknowledges. A turn goes to the worker that served the
+previous one (its prefix cache holds the episode) while that worker is alive and serves the
+turn's version, through a work stream routed to it (`Keys.routed_work`); else to any worker.
 """
 
 from __future__ import annotations
@@ -41,13 +42,17 @@ from rollq.protocol import (
     check_id,
     derived_trainer_id,
     encode,
+    encode_meta,
     pack_floats,
     pack_tokens,
     unpack_floats,
     unpack_tokens,
     validate_n,
+    validate_window,
 )
+from rollq.queue import jobs
 from rollq.queue.names import EpisodeField, EpisodeState, Reply
+from rollq.queue.workers import WorkerState
 
 if TYPE_CHECKING:
     from rollq.client import RolloutClient
@@ -149,9 +154,11 @@ def _version_at(segments: list[tuple[int, int]], k: int) -> int:
 class Episodes:
     """One trainer's episodes on one policy (`RolloutClient.episodes()`)."""
 
-    def __init__(self, client: RolloutClient, *, owner: str | None = None):
+    def __init__(self, client: RolloutClient, *, owner: str | None = None, affinity: bool = True):
         from rollq.client import RolloutClient
 
+        self.affinity = affinity
+        """Send each turn to the worker that served the previous one while it can serve it."""
         self.client = client
         self.keys = client.keys
         self.trainer = client.trainer_id
@@ -222,7 +229,8 @@ class Episodes:
         key = self._key(episode_id)
         fields = await self.client.redis.hmget(key, EpisodeField.SAMPLING, EpisodeField.MIN_VERSION,
                                                EpisodeField.MAX_VERSION, EpisodeField.MAX_STALENESS,
-                                               EpisodeField.MOVE, EpisodeField.VERSION)
+                                               EpisodeField.MOVE, EpisodeField.VERSION,
+                                               EpisodeField.WORKER)
         if fields[0] is None:
             raise EpisodeError(episode_id, "unknown", "no such episode of this trainer (unknown, "
                                                       "or expired: start a new one)")
@@ -248,7 +256,7 @@ class Episodes:
         window = _window(_text(fields[1]), _text(fields[2]), _text(fields[3]), version, move)
         try:
             [done] = await self._run(episode_id, job_id, [episode_id], new_tokens, prompt, 1, settings,
-                                     window, deadline_s)
+                                     window, deadline_s, _text(fields[6]) if self.affinity else None)
         except EpisodeError as e:
             # Version 0 (the start-up model) is never registered: a version above it, older than
             # the newest and no longer registered, was retired.
@@ -293,15 +301,13 @@ class Episodes:
 
     async def _run(self, episode_id: str, job_id: str, branches: list[str], new_tokens: list[int],
                    prompt: list[int], n: int, settings: Sampling, window,
-                   deadline_s: float | None) -> list[Turn]:
+                   deadline_s: float | None, route: str | None = None) -> list[Turn]:
         waiter = asyncio.get_running_loop().create_future()
         self._waiting[job_id] = (branches, new_tokens, waiter)
         if self._router is None or self._router.done():
             self._router = asyncio.create_task(self._route(), name="episode-results")
-        lo, hi, staleness = window
         try:
-            await self._submitter.submit([prompt], n, settings, job_id=job_id, deadline_s=deadline_s,
-                                         min_version=lo, max_version=hi, max_staleness=staleness)
+            await self._submit(job_id, prompt, n, settings, window, deadline_s, route)
         except BaseException as e:
             self._waiting.pop(job_id, None)
             await self._apply(job_id, branches, new_tokens, None, f"not submitted: {e}")
@@ -312,6 +318,36 @@ class Episodes:
                                                      "(nothing was added; send the turn again or end it)")
         return [Turn(b, new_tokens, s, result.worker_id, s.versions[-1][0] if s.versions else 0)
                 for b, s in zip(branches, result.samples)]
+
+    async def _submit(self, job_id: str, prompt: list[int], n: int, settings: Sampling, window,
+                      deadline_s: float | None, route: str | None) -> None:
+        """Queue the turn's group: on the stream routed to `route` (a worker) when it still serves
+        the window's version, else on the trainer's own stream, which every worker reads."""
+        submitter = self._submitter
+        validate_window(*window)
+        [(item, deadline)] = submitter._encode_items(job_id, [prompt], n, settings, deadline_s, window)
+        stream = await self._routed_stream(route, window)
+        if stream is not None:  # listed first: a worker reading it never misses an entry
+            await submitter._retrying(self.client.redis.hset, self.keys.routed, stream, time.time())
+        await submitter._retrying(
+            jobs.enqueue, self.client.redis, submitter.scripts, self.keys, trainer=submitter.trainer_id,
+            job_id=job_id, items=[item], quota=submitter.max_outstanding,
+            byte_quota=submitter.max_outstanding_bytes, deadline=deadline, meta=encode_meta(None),
+            min_version=window[0], max_version=window[1], stream=stream)
+
+    async def _routed_stream(self, worker: str | None, window) -> str | None:
+        """Prefix-cache affinity: the worker that served the last turn, if it is alive, serving
+        (not swapping) and on the turn's exact version."""
+        lo, hi, _ = window
+        if not worker or lo != hi:
+            return None
+        beat = await self.client.redis.get(self.keys.worker(worker))
+        if beat is None:
+            return None
+        state = msgspec.json.decode(beat, type=WorkerState)
+        if state.state != "serving" or state.version != lo or state.target is not None:
+            return None
+        return self.keys.routed_work(self._submitter.trainer_id, worker, lo)
 
     async def _apply(self, job_id: str, branches: list[str], new_tokens: list[int],
                      result: GroupResult | None, reason: str = "") -> None:

@@ -137,3 +137,61 @@ async def test_the_record_is_named_by_names_py(make_client, make_worker, redis):
     record = await redis.hgetall(client.keys.episode(client.trainer_id, first.episode_id))
     assert {k.decode() for k in record} == {f.value for f in EpisodeField}
     await episodes.close()
+
+
+async def test_turns_go_to_the_worker_that_served_the_previous_one(make_client, make_worker, redis):
+    """Prefix-cache affinity: two workers, 8 episodes of 4 turns; every turn is served where the
+    episode's first turn was (its routed stream is read by that worker alone)."""
+    make_worker("wa", delay_s=0.2, max_inflight=4)
+    make_worker("wb", delay_s=0.2, max_inflight=4)
+    client = make_client()
+    episodes = client.episodes()
+    starts = await asyncio.gather(*(episodes.start([i + 1, 2], sampling=SAMPLING) for i in range(8)))
+    firsts = [t for [t] in starts]
+    for k in range(3):
+        turns = await asyncio.gather(*(episodes.turn(t.episode_id, [k]) for t in firsts))
+        assert [t.worker_id for t in turns] == [t.worker_id for t in firsts]
+    assert {t.worker_id for t in firsts} == {"wa", "wb"}, "both workers served first turns"
+    routed = {k.decode() for k in await redis.hkeys(client.keys.routed)}
+    trainer = episodes._submitter.trainer_id
+    assert routed == {client.keys.routed_work(trainer, w, 0) for w in ("wa", "wb")}
+    # Without affinity, turns go to the shared stream (any worker).
+    loose = client.episodes(affinity=False)
+    [t] = await loose.start([1], sampling=SAMPLING)
+    assert await loose.turn(t.episode_id, [2])
+    assert await redis.hlen(client.keys.routed) == 2
+    await episodes.close()
+    await loose.close()
+
+
+async def test_a_worker_killed_mid_episode_the_episode_goes_on_elsewhere(make_client, spawn_worker, redis):
+    """Acceptance 4: the worker serving an episode is SIGKILLed while a turn runs on it; the turn
+    is served by the other worker (lease lapsed, its routed stream read by everyone once its
+    heartbeat is gone), tokens exact, the turn applied once."""
+    flags = {"lease_s": 1.0, "instant_delay_s": 1.5}
+    a, b = spawn_worker("ka", **flags), spawn_worker("kb", **flags)
+    client = make_client()
+    episodes = client.episodes()
+    [first] = await episodes.start([3, 4], sampling=SAMPLING, deadline_s=60)
+    victim, other = (a, b) if first.worker_id == "ka" else (b, a)
+    running = asyncio.create_task(episodes.turn(first.episode_id, [5], deadline_s=60))
+    routed = client.keys.routed_work(episodes._submitter.trainer_id, victim.worker_id, 0)
+
+    async def claimed():
+        return await redis.exists(routed) and (await redis.xpending(routed, "workers"))["pending"] == 1
+
+    give_up = asyncio.get_running_loop().time() + 10
+    while not await claimed():
+        assert asyncio.get_running_loop().time() < give_up, "the turn was not routed to its worker"
+        await asyncio.sleep(0.02)
+    victim.signal(9)
+    turn = await asyncio.wait_for(running, 40)
+    assert turn.worker_id == other.worker_id
+    expected = [3, 4] + first.tokens + [5]
+    assert turn.tokens == expected_tokens(pack_tokens(expected), 0, 5, 32_000)
+    # The next turn stays on the survivor.
+    again = await episodes.turn(first.episode_id, [6], deadline_s=60)
+    assert again.worker_id == other.worker_id
+    episode = await episodes.get(first.episode_id)
+    assert episode.turns == 3 and episode.tokens == expected + turn.tokens + [6] + again.tokens
+    await episodes.close()
