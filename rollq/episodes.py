@@ -61,6 +61,7 @@ log = logging.getLogger("rollq.episodes")
 
 DEFAULT_TTL_S = 600
 """An episode record lives this long after its last turn began or ended."""
+MAX_EPISODE_ID_CHARS = 100
 _NOT_SAMPLED = -1
 """`token_versions` of a token the policy did not sample (prompt, tool output, user message)."""
 
@@ -143,6 +144,16 @@ def _added(new_tokens: list[int], sample: Sample | None) -> tuple[bytes, bytes, 
     return tokens, mask, logprobs, pack_tokens(versions)
 
 
+def _token_ids(field: str, ids: Sequence[int]) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise InvalidInput(field, "must be a list of token ids")
+    try:
+        pack_tokens(ids)
+    except (TypeError, OverflowError) as e:
+        raise InvalidInput(field, f"token ids must be int32 integers ({e})") from None
+    return list(ids)
+
+
 def _version_at(segments: list[tuple[int, int]], k: int) -> int:
     found = segments[0][0] if segments else _NOT_SAMPLED
     for version, start in segments:
@@ -180,7 +191,7 @@ class Episodes:
                 waiter.cancel()
 
     def _key(self, episode_id: str) -> str:
-        return self.keys.episode(self.trainer, episode_id)
+        return self.keys.episode(self.trainer, check_id("episode_id", episode_id))
 
     # --- starting, turns, ending -------------------------------------------------------------
 
@@ -201,13 +212,16 @@ class Episodes:
 
         validate_n(n)
         episode_id = check_id("episode_id", episode_id) if episode_id else uuid.uuid4().hex
+        if len(episode_id) > MAX_EPISODE_ID_CHARS:  # room for a branch and a turn in the job ids
+            raise InvalidInput("episode_id", f"is {len(episode_id)} characters; the limit is "
+                                             f"{MAX_EPISODE_ID_CHARS}")
         lo, hi, staleness = client_window(min_version, max_version, exact_version, max_staleness)
         settings = _sampling(sampling)
         if not move:  # a sample crossing a swap would have two versions: drain instead
             settings = msgspec.structs.replace(settings, swap_modes=("drain",))
         if not 1 <= ttl_s <= 30 * 86_400:
             raise InvalidInput("ttl_s", f"ttl_s={ttl_s} must be in [1, 2592000]")
-        prompt = list(prompt)
+        prompt = _token_ids("prompt", prompt)
         branches = [f"{episode_id}.{i}" for i in range(n)]
         job_id = f"{episode_id}.t0"
         arrays = _added(prompt, None)
@@ -225,7 +239,7 @@ class Episodes:
                    max_tokens: int | None = None, deadline_s: float | None = None) -> Turn:
         """Append `new_tokens` (a tool's output, a user message: not sampled, masked out) and
         sample the policy's reply from the exact token ids of everything before."""
-        new_tokens = list(new_tokens)
+        new_tokens = _token_ids("new_tokens", new_tokens)
         key = self._key(episode_id)
         fields = await self.client.redis.hmget(key, EpisodeField.SAMPLING, EpisodeField.MIN_VERSION,
                                                EpisodeField.MAX_VERSION, EpisodeField.MAX_STALENESS,
