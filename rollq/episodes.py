@@ -229,7 +229,7 @@ class Episodes:
             keys=[self.keys.episodes, *map(self._key, branches)],
             args=[self.trainer, encode(settings), lo, "" if hi is None else hi,
                   "" if staleness is None else staleness, int(move), ttl_s, job_id,
-                  time.time() + ttl_s, time.time(), *arrays], client=self.client.redis)
+                  time.time(), *arrays], client=self.client.redis)
         if _text(reply) == Reply.DUP:
             raise InvalidInput("episode_id", f"{episode_id!r} is taken (an episode of this trainer)")
         return await self._run(episode_id, job_id, branches, [], prompt, n, settings,
@@ -252,7 +252,7 @@ class Episodes:
         move = fields[4] == b"1"
         job_id = f"{episode_id}.t{uuid.uuid4().hex[:12]}"
         reply = await self.client.scripts.episode_turn(
-            keys=[key, self.keys.episodes], args=[self.trainer, job_id, time.time() + DEFAULT_TTL_S],
+            keys=[key, self.keys.episodes], args=[self.trainer, job_id],
             client=self.client.redis)
         word = Reply(_text(reply[0]))
         if word is Reply.GONE:
@@ -366,7 +366,7 @@ class Episodes:
     async def _apply(self, job_id: str, branches: list[str], new_tokens: list[int],
                      result: GroupResult | None, reason: str = "") -> None:
         served = result is not None and result.status == "ok" and len(result.samples) == len(branches)
-        args: list[Any] = [job_id, time.time() + DEFAULT_TTL_S]
+        args: list[Any] = [job_id]
         for i, _ in enumerate(branches):
             sample = result.samples[i] if served else None
             version = sample.versions[-1][0] if sample and sample.versions else 0

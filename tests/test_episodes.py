@@ -195,3 +195,17 @@ async def test_a_worker_killed_mid_episode_the_episode_goes_on_elsewhere(make_cl
     episode = await episodes.get(first.episode_id)
     assert episode.turns == 3 and episode.tokens == expected + turn.tokens + [6] + again.tokens
     await episodes.close()
+
+
+async def test_an_episode_is_listed_for_retention_as_long_as_its_ttl(make_client, make_worker, redis):
+    make_worker()
+    client = make_client()
+    episodes = client.episodes()
+    [first] = await episodes.start([1], sampling=SAMPLING, ttl_s=7200)
+    key = client.keys.episode(client.trainer_id, first.episode_id)
+    now = (await redis.time())[0]
+    assert 7190 < await redis.zscore(client.keys.episodes, key) - now <= 7200
+    assert 7190 < await redis.ttl(key) <= 7200
+    await episodes.turn(first.episode_id, [2])
+    assert 7190 < await redis.zscore(client.keys.episodes, key) - now <= 7201
+    await episodes.close()

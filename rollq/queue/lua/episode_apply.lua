@@ -2,12 +2,12 @@
 -- and make the branch idle again. Idempotent: a branch whose running turn is not this job
 -- (applied already, or never this one's) is left alone.
 -- KEYS: episodes set, then the branch records.
--- ARGV: turn job, expiry (unix s), then 8 per branch: served ('1' or '0'), version, worker,
+-- ARGV: turn job, then 8 per branch: served ('1' or '0'), version, worker,
 --       reason, tokens, mask, logprobs, token versions (the turn's new and sampled tokens).
 -- Returns the number of branches changed.
 local changed = 0
 for i = 2, #KEYS do
-  local at = 2 + (i - 2) * 8
+  local at = 1 + (i - 2) * 8
   local found = redis.call('HMGET', KEYS[i], EPISODE_TURN_JOB, EPISODE_STATE, EPISODE_TTL)
   if found[1] == ARGV[1] then
     if ARGV[at + 1] == '1' then
@@ -24,7 +24,7 @@ for i = 2, #KEYS do
     redis.call('HSET', KEYS[i], EPISODE_TURN_JOB, '')
     if found[2] == EPISODE_IS_RUNNING then
       redis.call('HSET', KEYS[i], EPISODE_STATE, EPISODE_IS_IDLE)
-      redis.call('ZADD', KEYS[1], ARGV[2], KEYS[i])
+      redis.call('ZADD', KEYS[1], redis.call('TIME')[1] + found[3], KEYS[i])
     end
     redis.call('EXPIRE', KEYS[i], found[3])
     changed = changed + 1
