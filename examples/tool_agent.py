@@ -2,10 +2,13 @@
 
 The task ("parity tool"): each episode is a prompt, then the policy's tool call (4 tokens), then
 the tool's output (`TOOL`, the call's sum mod the vocabulary, `END`: tokens the policy did not
-sample, masked out of the loss), then the policy's answer (8 tokens). The answer earns the
-fraction of its tokens whose parity matches the tool's result: the reward depends on what the
-tool said (a random model scores about 0.5; a policy that makes calls whose result is even and
-answers with even tokens, or answers in the result's parity, scores 1.0).
+sample, masked out of the loss), then the policy's answer (8 tokens). Reward: half for a valid
+call (the fraction of its tokens that are even), half for an answer in the tool's result's
+parity (the fraction of its tokens that match it). The answer's half depends on what the tool
+said; valid calls make the tool's result even, so a policy that learns to call well and to
+answer in the result's parity scores 1.0 (a random model about 0.5). Without the call's half the
+task is a saddle: with results of either parity equally likely, no answer does better than 0.5
+and no gradient leaves it.
 
 Each step: start `groups` episodes of `n` branches each (GRPO groups of episodes: the branches
 share the prompt and go on on their own), run the tool on each branch's call, send its output
@@ -47,10 +50,12 @@ def tool(call: list[int]) -> list[int]:
 
 
 def reward(episode: Episode) -> float:
-    """The fraction of the answer's tokens in the parity of the tool's result."""
+    """Half for the call's even tokens, half for the answer's tokens in the tool result's parity."""
     result = episode.tokens[_tool_at(episode) + 1]
-    answer = _runs(episode)[-1]
-    return sum(t % 2 == result % 2 for t in answer) / len(answer) if answer else 0.0
+    call, answer = _runs(episode)[0], _runs(episode)[-1]
+    valid = sum(t % 2 == 0 for t in call) / len(call)
+    matched = sum(t % 2 == result % 2 for t in answer) / len(answer) if answer else 0.0
+    return (valid + matched) / 2
 
 
 def _runs(episode: Episode) -> list[list[int]]:
@@ -80,7 +85,7 @@ class StepStats:
 
 
 class EpisodeTrainer:
-    def __init__(self, model_dir: Path, *, lr: float = 3e-3, max_ratio: float = 2.0):
+    def __init__(self, model_dir: Path, *, lr: float = 1e-2, max_ratio: float = 2.0):
         from transformers import LlamaForCausalLM
 
         self.model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)

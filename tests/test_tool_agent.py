@@ -12,7 +12,7 @@ from rollq.registry.safetensors_check import dir_schema
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-STEPS = 14
+STEPS = 16
 
 
 async def test_the_tool_agent_learns(make_worker, make_client, tmp_path):
@@ -27,7 +27,7 @@ async def test_the_tool_agent_learns(make_worker, make_client, tmp_path):
         worker, task = make_worker(engine=engine, base_schema=dir_schema(model), max_inflight=32,
                                    max_inflight_seqs=32)
         client = make_client(weight_store=str(tmp_path / "store"))
-        stats = await train(client, EpisodeTrainer(model), steps=STEPS, groups=4, n=8,
+        stats = await train(client, EpisodeTrainer(model), steps=STEPS, groups=8, n=8,
                             on_step=lambda s: print(f"step {s.step}: reward {s.reward:.3f}"))
         worker.stop()
         await task
