@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import random
 import statistics
+from collections import Counter
 import sys
 import tempfile
 import time
@@ -86,12 +87,15 @@ async def run_episodes(client, engines, args, affinity: bool) -> dict:
     return {"affinity": affinity, "hit_rate": (hits2 - hits) / max(1.0, queries2 - queries),
             "query_tokens": queries2 - queries, "hit_tokens": hits2 - hits,
             "turn_s_mean": statistics.mean(turn_s), "turns": len(turn_s), "wall_s": wall,
-            "turns_elsewhere": moved, "final_tokens": statistics.mean(lengths)}
+            "turns_elsewhere": moved, "final_tokens": statistics.mean(lengths),
+            "episodes_per_worker": dict(Counter(f.worker_id for f in firsts))}
 
 
 async def run_fresh(client, args) -> dict:
-    """Single requests as long as the turns' prompts, nothing cached: the cost a turn avoids."""
+    """Single requests as long as the turns' prompts (random tokens: nothing cached), through the
+    same path as a turn (an episode's first turn is one request), in the same waves."""
     rng = random.Random(7)
+    episodes = client.episodes()
     sampling = {"max_tokens": args.sampled, "temperature": 1.0, "extra": {"ignore_eos": True}}
     lengths = [args.prompt + k * (args.sampled + args.new) for k in range(1, args.turns)]
     times = []
@@ -99,16 +103,14 @@ async def run_fresh(client, args) -> dict:
     async def one(length: int):
         prompt = [rng.randrange(3, VOCAB) for _ in range(length)]
         began = time.perf_counter()
-        job = await client.submit([prompt], 1, sampling)
-        await client.wait(job, timeout_s=600)
+        await episodes.start(prompt, sampling=sampling)
         times.append(time.perf_counter() - began)
 
     began = time.perf_counter()
-    for length in lengths:  # the same waves as the episodes' turns: E requests at a time
+    for length in lengths:  # E requests at a time, as the episodes' turns
         await asyncio.gather(*(one(length) for _ in range(args.episodes)))
     wall = time.perf_counter() - began
-    await client.take(len(times), timeout_s=5, ack="manual")
-    await client.ack()
+    await episodes.close()
     return {"request_s_mean": statistics.mean(times), "requests": len(times), "wall_s": wall}
 
 
@@ -155,11 +157,12 @@ def table(r: dict) -> str:
     rows = [f"{r['episodes']} episodes x {r['turns']} turns on 2 vLLM workers (prompt {r['prompt']}, "
             f"+{r['new']} new and {r['sampled']} sampled tokens per turn, KV blocks of "
             f"{r['block_size']} tokens); turns 2..{r['turns']}:", "",
-            "| affinity | prefix-cache hit rate (vLLM) | turns on another worker | mean time per turn |",
-            "|---|---|---|---|"]
+            "| affinity | prefix-cache hit rate (vLLM) | turns on another worker | mean time per turn | "
+            "first turns per worker |", "|---|---|---|---|---|"]
     for run in r["runs"]:
         rows.append(f"| {'on' if run['affinity'] else 'off'} | {run['hit_rate']:.1%} | "
-                    f"{run['turns_elsewhere']} of {run['turns']} | {run['turn_s_mean'] * 1e3:.0f} ms |")
+                    f"{run['turns_elsewhere']} of {run['turns']} | {run['turn_s_mean'] * 1e3:.0f} ms | "
+                    f"{sorted(run['episodes_per_worker'].values())} |")
     f = r["fresh"]
     rows += ["", f"A fresh request of the same total length (nothing cached), {f['requests']} in the "
                  f"same waves: {f['request_s_mean'] * 1e3:.0f} ms mean.",

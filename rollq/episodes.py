@@ -389,8 +389,11 @@ class Episodes:
         """Read the turns' results, apply each to its episodes, then acknowledge it and wake its
         caller. A result nobody waits for (a restarted client's) is acknowledged and dropped: its
         episode stays `running` until it expires."""
+        submitter = self._submitter
         while self._waiting and not self._stopping:
-            results = await self._submitter.take(64, timeout_s=0.5, ack="manual")
+            # Whatever has arrived, as soon as one has (`take` would wait for 64 or its timeout).
+            results = [r for entry_id, r in await submitter._next_batch(64, 500)
+                       if submitter._hand(entry_id, "manual")]
             for result in results:
                 found = self._waiting.pop(result.job_id, None)
                 if found is None:
