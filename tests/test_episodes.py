@@ -209,3 +209,26 @@ async def test_an_episode_is_listed_for_retention_as_long_as_its_ttl(make_client
     await episodes.turn(first.episode_id, [2])
     assert 7190 < await redis.zscore(client.keys.episodes, key) - now <= 7201
     await episodes.close()
+
+
+async def test_when_no_worker_serves_its_version_any_more_a_turn_fails_clearly(
+        make_client, make_worker, tmp_path):
+    """Followers only move forward: once every worker serves v2, a turn of an episode on v1 that
+    may not move fails (nothing added, the episode idle), and one that may move goes on on v2."""
+    import torch
+
+    make_worker()
+    client = make_client(weight_store=str(tmp_path / "store"))
+    episodes = client.episodes()
+    [stay] = await episodes.start([1, 2], sampling=SAMPLING)
+    [move] = await episodes.start([1, 2], sampling=SAMPLING, move=True, max_staleness=0)
+    await client.publish_weights(1, {"w": torch.zeros(2)})
+    with pytest.raises(EpisodeError, match=r"window \[0, 0\] can never be served") as failed:
+        await episodes.turn(stay.episode_id, [3], deadline_s=30)
+    assert failed.value.reason == "failed"
+    record = await episodes.get(stay.episode_id)
+    assert record.turns == 1 and record.state == EpisodeState.IDLE and record.reason
+    turn = await episodes.turn(move.episode_id, [3], deadline_s=30)
+    assert turn.version == 1
+    assert (await episodes.get(move.episode_id)).token_versions[-1] == 1
+    await episodes.close()
