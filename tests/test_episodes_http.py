@@ -86,3 +86,10 @@ async def test_chat_turns_send_the_templates_continuation(make_gateway, make_wor
     assert tokenizer.convert_ids_to_tokens(continuation) == [
         "<|end|>", "<|tool|>", "w12", "<|end|>", "<|assistant|>", "<|think|>"]
     assert record["tokens"] == prompt + branch["tokens"] + continuation + turn["tokens"]
+
+
+async def test_with_no_worker_a_turn_is_refused_at_once(make_gateway, policy):
+    gw = await make_gateway()
+    async with (aiohttp.ClientSession(gw.url, headers=gw.headers()) as http,
+                http.post(f"/v1/policies/{policy}/episodes", json={"prompt": [1]}) as r):
+        assert r.status == 409 and "no live worker" in (await r.json())["error"]["message"]

@@ -20,6 +20,8 @@ from rollq.gateway.api import _context
 from rollq.gateway.http import ApiError, read_body, reply
 from rollq.gateway.state import Gateway
 from rollq.protocol import InvalidInput
+from rollq.queue.keys import Keys
+from rollq.queue.workers import live_workers
 
 
 class EpisodeStartRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -99,6 +101,13 @@ EPISODES = web.AppKey("episodes", dict)
 """(policy, trainer) -> Episodes of this gateway."""
 
 
+async def _served(gw: Gateway, policy: str) -> None:
+    """A turn is awaited: with no worker to serve it, say so now rather than hold the request."""
+    if not await live_workers(gw.redis, Keys(policy)):
+        raise ApiError(409, f"no live worker serves policy {policy!r}; an episode's turns are "
+                            "served while the caller waits: start a worker first", "policy")
+
+
 def _episodes(request: web.Request) -> tuple[Gateway, Episodes]:
     gw, policy, who = _context(request)
     made = request.app[EPISODES]
@@ -140,6 +149,7 @@ async def start_episode(request: web.Request) -> web.Response:
     gw, episodes = _episodes(request)
     body = await read_body(request, EpisodeStartRequest)
     prompt = _tokens(gw, body.prompt, body.messages, body.chat_template_kwargs, first=True)
+    await _served(gw, episodes.keys.policy)
     turns = await _guarded(body.episode_id or "", episodes.start(
         prompt, body.n, body.sampling, episode_id=body.episode_id, min_version=body.min_version,
         max_version=body.max_version, exact_version=body.exact_version,
@@ -152,6 +162,7 @@ async def episode_turn(request: web.Request) -> web.Response:
     episode_id = request.match_info["episode_id"]
     body = await read_body(request, EpisodeTurnRequest)
     new = _tokens(gw, body.tokens, body.messages, body.chat_template_kwargs, first=False)
+    await _served(gw, episodes.keys.policy)
     turn = await _guarded(episode_id, episodes.turn(episode_id, new, max_tokens=body.max_tokens,
                                                     deadline_s=body.deadline_s))
     return reply(request, turn_view(turn))
