@@ -624,6 +624,14 @@ class RolloutClient:
         """Groups submitted whose result this trainer has not acknowledged yet."""
         return await jobs.outstanding(self.redis, self.keys, self.trainer_id)
 
+    def episodes(self, *, owner: str | None = None, affinity: bool = True):
+        """Multi-turn episodes of this trainer (`rollq.episodes.Episodes`; close it when done).
+        `owner` names the result stream its turns come back on (default: a fresh one);
+        `affinity`: each turn goes to the worker that served the previous one while it can."""
+        from rollq.episodes import Episodes
+
+        return Episodes(self, owner=owner, affinity=affinity)
+
 
 class SyncRolloutClient:
     """RolloutClient for synchronous code: the same calls, run on a private event loop thread."""

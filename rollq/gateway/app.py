@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from rollq.gateway import api, trl_compat
+from rollq.gateway import episodes as ep
 from rollq.gateway.chat import ChatCompletionRequest, chat_completions
 from rollq.gateway.completions import CompletionRequest
 from rollq.gateway.http import BODY_BUDGET, BODY_TIMEOUT, ApiError, BodyBudget, bounded_bodies, errors
@@ -82,6 +83,19 @@ ROUTES = [
           query=(Param("batch", 64, 1, 1024), Param("ack", None, enum=("auto", "manual")))),
     Route("POST", f"{_P}/results/ack", api.ack_results, "Acknowledge consumed results", "results",
           body=AckRequest, reply=Acked),
+    Route("POST", f"{_P}/episodes", ep.start_episode,
+          "Start a multi-turn episode (n branches) and serve its first turn", "episodes",
+          body=ep.EpisodeStartRequest, reply=ep.TurnsView, status=201,
+          errors=(400, 401, 403, 409, 413, 422, 429)),
+    Route("POST", f"{_P}/episodes/{{episode_id}}/turns", ep.episode_turn,
+          "Append new tokens (or messages) and sample the next reply from the exact ids so far",
+          "episodes", body=ep.EpisodeTurnRequest, reply=ep.TurnView,
+          errors=(400, 401, 403, 404, 409, 410, 413, 422, 429)),
+    Route("GET", f"{_P}/episodes/{{episode_id}}", ep.get_episode,
+          "An episode: tokens, mask, logprobs, versions", "episodes", reply=ep.EpisodeView,
+          errors=(400, 401, 403, 404)),
+    Route("DELETE", f"{_P}/episodes/{{episode_id}}", ep.end_episode, "End an episode", "episodes",
+          reply=ep.EpisodeView, errors=(400, 401, 403, 404)),
     Route("GET", f"{_P}/versions", api.list_versions, "Registered policy versions", "versions",
           reply=VersionList),
     Route("POST", f"{_P}/versions", api.publish_version, "Publish a version from a weights directory",
@@ -161,6 +175,7 @@ def make_app(settings: GatewaySettings, redis=None, tokenizer: Any | None = None
     app[api.PUBLISHING] = asyncio.Semaphore(MAX_PUBLISHING)
     app[api.HEAVY_TURN] = asyncio.Lock()
     app[BODY_TIMEOUT] = settings.body_timeout_s
+    app[ep.EPISODES] = {}
     app[BODY_BUDGET] = BodyBudget(settings.body_bytes_in_flight or 4 * settings.max_body_bytes,
                                   settings.max_body_bytes)
     for route in ROUTES:
@@ -172,6 +187,7 @@ def make_app(settings: GatewaySettings, redis=None, tokenizer: Any | None = None
         await app[GATEWAY].stop()
 
     app.cleanup_ctx.append(lifetime)
+    app.cleanup_ctx.append(ep.lifetime)
     return app
 
 

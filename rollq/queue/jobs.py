@@ -55,16 +55,19 @@ async def enqueue(
     meta: bytes,
     min_version: int = 0,
     max_version: int | None = None,
+    stream: str | None = None,
 ) -> Enqueued:
     """Write the job record and one work entry per group in one round trip.
 
+    `stream`: a routed work stream of the trainer (`Keys.routed_work`) instead of its own.
     Raises QueueFull when the trainer's outstanding groups plus these would pass its quota, or
     the bytes of its queued items plus these would pass `byte_quota`.
     """
     reply = await call_durably(
         scripts.enqueue, redis,
-        keys=[keys.job(trainer, job_id), keys.work(trainer), keys.trainers, keys.outstanding(trainer),
-              keys.quota(trainer), keys.bounded_jobs, keys.outstanding_bytes(trainer)],
+        keys=[keys.job(trainer, job_id), stream or keys.work(trainer), keys.trainers,
+              keys.outstanding(trainer), keys.quota(trainer), keys.bounded_jobs,
+              keys.outstanding_bytes(trainer)],
         args=[trainer, quota, len(items), time.time(), deadline, meta, job_id, min_version,
               "" if max_version is None else max_version, byte_quota, *items],
     )

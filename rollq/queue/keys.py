@@ -118,16 +118,47 @@ class Keys:
         whatever the number of groups and jobs naming it; expires (`rollq/images.py`)."""
         return f"{self._p}:image:{digest}"
 
+    def routed_work(self, trainer: str, worker: str, version: int) -> str:
+        """Work stream of one trainer's groups routed to one worker while it serves `version`
+        (episode turns: that worker holds their prefix in its cache). Read by that worker, and by
+        every worker once it is gone or serves another version (`WorkQueue.streams`)."""
+        return f"{self._p}:work:{trainer}:{worker}:{version}"
+
+    def route_of(self, stream: str) -> tuple[str, str, int] | None:
+        """(trainer, worker, version) of a routed work stream; None for a trainer's own stream."""
+        parts = self.trainer_stream_rest(stream).split(":")
+        return (parts[0], parts[1], int(parts[2])) if len(parts) == 3 else None
+
+    @property
+    def routed(self) -> str:
+        """Hash routed work stream -> when a group was last routed to it (unix s)."""
+        return f"{self._p}:routed"
+
+    def episode(self, trainer: str, episode_id: str) -> str:
+        """Hash: one multi-turn episode (its token sequence, mask, logprobs, version, state;
+        `names.EpisodeField`); expires `ttl_s` after its last turn began or ended."""
+        return f"{self._p}:episode:{trainer}:{episode_id}"
+
+    @property
+    def episodes(self) -> str:
+        """Sorted set episode key -> expiry (unix s): the live episodes, whose versions retention
+        keeps (entries of expired episodes are dropped by the retention that finds them gone)."""
+        return f"{self._p}:episodes"
+
     @property
     def every_key(self) -> str:
         """Glob pattern matching every key of the policy (ACL rules, scans)."""
         return f"{self._p}:*"
 
-    def trainer_of(self, work_stream: str) -> str:
+    def trainer_stream_rest(self, work_stream: str) -> str:
         prefix = f"{self._p}:work:"
         if not work_stream.startswith(prefix):
             raise ValueError(f"{work_stream!r} is not a work stream of policy {self.policy!r}")
         return work_stream[len(prefix):]
+
+    def trainer_of(self, work_stream: str) -> str:
+        """The trainer of a work stream, routed or not (ids cannot contain ':')."""
+        return self.trainer_stream_rest(work_stream).split(":", 1)[0]
 
 
 class _EveryPolicy(Keys):

@@ -93,6 +93,56 @@ class JobField(StrEnum):
     """Set when the last group gets its result."""
 
 
+class EpisodeState(StrEnum):
+    """The `state` field of an episode record."""
+
+    IDLE = "idle"
+    """Waiting for its next turn."""
+    RUNNING = "running"
+    """A turn is queued or being generated (`turn_job` names it)."""
+    ENDED = "ended"
+    """Ended by its owner: no more turns; the record stays until it expires."""
+
+
+class EpisodeField(StrEnum):
+    """Fields of an episode record (a hash; `rollq/episodes.py`)."""
+
+    TRAINER = "trainer"
+    STATE = "state"
+    """An EpisodeState."""
+    SAMPLING = "sampling"
+    """The encoded Sampling of every turn."""
+    MIN_VERSION = "min_version"
+    MAX_VERSION = "max_version"
+    """'' for none."""
+    MAX_STALENESS = "max_staleness"
+    """'' for none; bounds the first turn (and every turn of an episode allowed to move)."""
+    MOVE = "move"
+    """'1': later turns may be served by a newer version in the window; '0': by the first
+    turn's version only."""
+    VERSION = "version"
+    """The version that served the last turn ('' before the first turn)."""
+    TOKENS = "tokens"
+    """int32 token ids of the whole episode so far: prompt, then each turn's new and sampled tokens."""
+    MASK = "mask"
+    """One byte per token: 1 where the policy sampled it, 0 for prompt and new tokens."""
+    LOGPROBS = "logprobs"
+    """float32 per token: its logprob where sampled, NaN elsewhere."""
+    TOKEN_VERSIONS = "token_versions"
+    """int32 per token: the version that sampled it, -1 where not sampled."""
+    TURNS = "turns"
+    """Turns served."""
+    TURN_JOB = "turn_job"
+    """The job id of the running turn ('' when idle)."""
+    WORKER = "worker"
+    """The worker that served the last turn (its prefix cache holds the episode)."""
+    TTL = "ttl"
+    """Seconds the record lives after each turn begins or ends."""
+    CREATED_AT = "created_at"
+    REASON = "reason"
+    """Why the last turn did not extend the episode ('' when it did)."""
+
+
 STATUS_COUNTERS = tuple(JobField(s) for s in get_args(Status))
 """The job-record counter of each result status (a Status the record has no field for fails here,
 at import)."""
@@ -112,11 +162,16 @@ class Reply(StrEnum):
     NEWEST = "newest"
     PINNED = "pinned"
     GONE = "gone"
+    BUSY = "busy"
+    """episode: a turn is already running."""
+    ENDED = "ended"
+    """episode: it was ended."""
 
 
 LUA_PREFIXES: dict[str, type[StrEnum]] = {
     "GROUP": Group, "WORK": WorkField, "RESULT": ResultField, "DEAD": DeadField, "EVENT": EventField,
-    "STATE": JobState, "JOB": JobField, "REPLY": Reply,
+    "STATE": JobState, "JOB": JobField, "REPLY": Reply, "EPISODE": EpisodeField,
+    "EPISODE_IS": EpisodeState,
 }
 """Lua name of a member: `<prefix>_<member>`, e.g. `JOB_STATE`, `STATE_PENDING`, `GROUP_WORKERS`."""
 

@@ -20,7 +20,7 @@ from rollq.queue.connection import Durability, check_replicated, durability, que
 from rollq.queue.names import lua_preamble
 
 NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish", "pin",
-         "retire")
+         "retire", "episode_start", "episode_turn", "episode_apply", "episode_end", "route_prune")
 
 
 @cache
@@ -52,6 +52,11 @@ class Scripts:
     publish: AsyncScript
     pin: AsyncScript
     retire: AsyncScript
+    episode_start: AsyncScript
+    episode_turn: AsyncScript
+    episode_apply: AsyncScript
+    episode_end: AsyncScript
+    route_prune: AsyncScript
 
 
 Call = tuple[AsyncScript, list, list]

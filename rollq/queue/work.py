@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
+
+import msgspec
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -19,9 +22,12 @@ from rollq.queue.connection import NotReplicated, check_replicated, durability
 from rollq.queue.keys import Keys
 from rollq.queue.names import Group, JobField, JobState, Reply, WorkField
 from rollq.queue.scripts import Scripts, pipelined
+from rollq.queue.workers import WorkerState
 
 log = logging.getLogger("rollq.worker")
 
+ROUTE_IDLE_S = 60.0
+"""A routed work stream nothing was routed to for this long, and empty, is forgotten."""
 FINISH_BATCH = 512
 """Most groups finished by one script call."""
 _JOB, _GROUP, _ITEM = (f.encode() for f in (WorkField.JOB, WorkField.GROUP, WorkField.ITEM))
@@ -90,10 +96,44 @@ class WorkQueue:
         self._finishing: list[tuple[tuple, tuple, asyncio.Future]] = []
         self._by_stream: dict[str, tuple[str, str, str]] = {}
         self._finisher: asyncio.Task | None = None
+        self._next_prune = 0.0
 
     async def streams(self) -> list[str]:
+        """The streams to claim from: groups routed to this worker, then every trainer's own
+        stream, then groups routed to a worker that is gone or serves another version now."""
         trainers = sorted(t.decode() for t in await self.redis.smembers(self.keys.trainers))
-        return [self.keys.work(t) for t in trainers]
+        shared = [self.keys.work(t) for t in trainers]
+        routed = await self.redis.hgetall(self.keys.routed)
+        if not routed:
+            return shared
+        routes = {s.decode(): (self.keys.route_of(s.decode()), float(at)) for s, at in routed.items()}
+        named = sorted({route[1] for route, _ in routes.values() if route})
+        beats = await self.redis.mget([self.keys.worker(w) for w in named])
+        serving = {w: msgspec.json.decode(b, type=WorkerState).version
+                   for w, b in zip(named, beats) if b}
+        mine, orphaned, idle = [], [], []
+        for stream, (route, at) in sorted(routes.items()):
+            if route is None:
+                continue
+            _, worker, version = route
+            if worker == self.consumer:
+                mine.append(stream)
+            elif serving.get(worker) != version:
+                orphaned.append(stream)
+            if at < time.time() - ROUTE_IDLE_S:
+                idle.append(stream)
+        await self._prune(idle)
+        return mine + shared + orphaned
+
+    async def _prune(self, idle: list[str]) -> None:
+        """Forget routed streams that were not used for ROUTE_IDLE_S and hold nothing."""
+        if not idle or time.monotonic() < self._next_prune:
+            return
+        self._next_prune = time.monotonic() + ROUTE_IDLE_S / 2
+        cutoff = time.time() - ROUTE_IDLE_S
+        for stream in idle:
+            await self.scripts.route_prune(keys=[self.keys.routed, stream], args=[stream, cutoff],
+                                           client=self.redis)
 
     async def ensure_group(self, stream: str) -> None:
         try:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from redis.asyncio import Redis
 
 from rollq.queue.keys import Keys
-from rollq.queue.names import JobField, JobState, Reply
+from rollq.queue.names import EpisodeField, EpisodeState, JobField, JobState, Reply
 from rollq.registry.safetensors_check import WeightError
 from rollq.registry.store import WeightStore
 from rollq.registry.versions import Registry
@@ -43,6 +44,28 @@ async def needed_by_jobs(redis: Redis, keys: Keys) -> set[tuple[int, int]]:
     return windows
 
 
+async def needed_by_episodes(redis: Redis, keys: Keys) -> set[int]:
+    """Versions of live episodes (not ended, not expired): their next turns need them. Entries of
+    expired or ended episodes leave the set."""
+    await redis.zremrangebyscore(keys.episodes, "-inf", f"({time.time()}")
+    episode_keys = await redis.zrange(keys.episodes, 0, -1)
+    if not episode_keys:
+        return set()
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in episode_keys:
+            pipe.hmget(key, EpisodeField.STATE, EpisodeField.VERSION)
+        found = await pipe.execute()
+    versions, gone = set(), []
+    for key, (state, version) in zip(episode_keys, found):
+        if state is None or state.decode() == EpisodeState.ENDED:
+            gone.append(key)
+        elif version:
+            versions.add(int(version))
+    if gone:
+        await redis.zrem(keys.episodes, *gone)
+    return versions
+
+
 async def retain(redis: Redis, keys: Keys, store: WeightStore | None, keep: int) -> list[int]:
     """Keep the newest `keep` versions and every needed one; returns the versions removed."""
     if keep < 1:
@@ -51,6 +74,7 @@ async def retain(redis: Redis, keys: Keys, store: WeightStore | None, keep: int)
     entries = await registry.entries()
     protected = {e.version for e in entries[-keep:]}
     protected |= {w.version for w in await live_workers(redis, keys)}
+    protected |= await needed_by_episodes(redis, keys)
     windows = await needed_by_jobs(redis, keys)
 
     def needed(version: int) -> bool:

@@ -1,0 +1,445 @@
+"""Multi-turn episodes: each turn continues from the exact token ids of everything before it.
+
+    async with RolloutClient(policy="math", trainer_id="run-7") as client:
+        episodes = client.episodes()
+        [first] = await episodes.start([1, 2, 3], sampling={"max_tokens": 32})
+        turn = await episodes.turn(first.episode_id, tool_output_ids)
+        episode = await episodes.end(first.episode_id)   # tokens, mask, logprobs, versions
+
+An episode is a record in Redis (`Keys.episode`, fields `names.EpisodeField`): the token sequence
+so far, a mask of what the policy sampled, each token's logprob and version, the version that
+served the last turn, the worker that served it and a state (idle, running, ended). A turn is an
+ordinary one-group job whose prompt is the sequence so far plus the turn's new tokens, with the
+window `[v, v]` once the first turn was served by version v (unless the episode may `move`), so
+the engine, swap gating and provenance are the queue's own. Its result is appended to the record
+by one script (`episode_apply.lua`), idempotent on the turn's job id. `n` branches: the first
+turn is one group of n samples, and branch i (`<episode_id>.<i>`) continues from sample i.
+
+Turns are submitted as the derived trainer `<trainer>~episodes~<owner>`, whose results one router
+task of this object reads, applies and acknowledges. A turn goes to the worker that served the
+previous one (its prefix cache holds the episode) while that worker is alive and serves the
+turn's version, through a work stream routed to it (`Keys.routed_work`); else to any worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from rollq.protocol import (
+    GroupResult,
+    InvalidInput,
+    Sample,
+    Sampling,
+    check_id,
+    derived_trainer_id,
+    encode,
+    encode_meta,
+    pack_floats,
+    pack_tokens,
+    unpack_floats,
+    unpack_tokens,
+    validate_n,
+    validate_window,
+)
+from rollq.queue import jobs
+from rollq.queue.names import EpisodeField, EpisodeState, Reply
+from rollq.queue.workers import WorkerState
+
+if TYPE_CHECKING:
+    from rollq.client import RolloutClient
+
+log = logging.getLogger("rollq.episodes")
+
+DEFAULT_TTL_S = 600
+"""An episode record lives this long after its last turn began or ended."""
+MAX_EPISODE_ID_CHARS = 100
+_NOT_SAMPLED = -1
+"""`token_versions` of a token the policy did not sample (prompt, tool output, user message)."""
+
+
+class EpisodeError(Exception):
+    """A turn or an end that cannot be done; `reason` is one of `unknown` (no such episode, or it
+    expired), `running` (a turn is running), `ended`, `retired` (its version is gone) or `failed`
+    (the turn's group ended without samples: `GroupResult.reason` says why)."""
+
+    def __init__(self, episode_id: str, reason: str, message: str):
+        super().__init__(f"episode {episode_id!r}: {message}")
+        self.episode_id = episode_id
+        self.reason = reason
+
+
+@dataclass
+class Turn:
+    """What one turn added to one episode (branch)."""
+
+    episode_id: str
+    new_tokens: list[int]
+    """Tokens the caller sent (not sampled), then..."""
+    sample: Sample
+    """...the tokens the policy sampled, with logprobs and version segments."""
+    worker_id: str
+    version: int
+    """The version that served it (the last segment's, when the episode may move)."""
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.sample.token_ids
+
+
+@dataclass
+class Episode:
+    """An episode's record: one token sequence with what the policy sampled."""
+
+    episode_id: str
+    state: EpisodeState
+    tokens: list[int]
+    mask: list[int]
+    """1 where the policy sampled the token (train on it), 0 for prompt and new tokens."""
+    logprobs: list[float]
+    """The sampling version's logprob where `mask` is 1, NaN elsewhere."""
+    token_versions: list[int]
+    """The version that sampled each token, -1 where `mask` is 0."""
+    version: int | None
+    turns: int
+    worker: str
+    reason: str = ""
+    """Why the last turn failed ('' when it was served)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
+
+
+def _window(record_min: str, record_max: str, staleness: str, version: int | None, move: bool):
+    """The version window of a turn: the episode's before its first turn and when it may move
+    (never below the version that served the last turn), else exactly that version."""
+    lo, hi = int(record_min), int(record_max) if record_max else None
+    if version is None:
+        return lo, hi, int(staleness) if staleness else None
+    if not move:
+        return version, version, None
+    return max(lo, version), hi, int(staleness) if staleness else None
+
+
+def _added(new_tokens: list[int], sample: Sample | None) -> tuple[bytes, bytes, bytes, bytes]:
+    """The record's four arrays for a turn: the new tokens (not sampled), then the sample's."""
+    sampled = sample.token_ids if sample is not None else []
+    versions = [_NOT_SAMPLED] * len(new_tokens)
+    if sample is not None:
+        for k in range(len(sampled)):
+            versions.append(_version_at(sample.versions, k))
+    tokens = pack_tokens(new_tokens + sampled)
+    mask = bytes(len(new_tokens)) + b"\x01" * len(sampled)
+    logprobs = pack_floats([math.nan] * len(new_tokens)) + (sample.logprobs if sample else b"")
+    return tokens, mask, logprobs, pack_tokens(versions)
+
+
+def _token_ids(field: str, ids: Sequence[int]) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise InvalidInput(field, "must be a list of token ids")
+    try:
+        pack_tokens(ids)
+    except (TypeError, OverflowError) as e:
+        raise InvalidInput(field, f"token ids must be int32 integers ({e})") from None
+    return list(ids)
+
+
+def _version_at(segments: list[tuple[int, int]], k: int) -> int:
+    found = segments[0][0] if segments else _NOT_SAMPLED
+    for version, start in segments:
+        if start <= k:
+            found = version
+    return found
+
+
+class Episodes:
+    """One trainer's episodes on one policy (`RolloutClient.episodes()`)."""
+
+    def __init__(self, client: RolloutClient, *, owner: str | None = None, affinity: bool = True):
+        from rollq.client import RolloutClient
+
+        self.affinity = affinity
+        """Send each turn to the worker that served the previous one while it can serve it."""
+        self.client = client
+        self.keys = client.keys
+        self.trainer = client.trainer_id
+        self.owner = check_id("owner", owner) if owner is not None else uuid.uuid4().hex[:10]
+        self._submitter = RolloutClient(policy=self.keys.policy, redis=client.redis,
+                                        trainer_id=derived_trainer_id(self.trainer, "episodes", self.owner))
+        self._waiting: dict[str, tuple[list[str], list[int], asyncio.Future]] = {}
+        self._router: asyncio.Task | None = None
+        self._stopping = False
+
+    async def close(self) -> None:
+        self._stopping = True
+        if self._router is not None:
+            await asyncio.wait([self._router], timeout=5)
+            if not self._router.done():
+                self._router.cancel()
+        for *_, waiter in self._waiting.values():
+            if not waiter.done():
+                waiter.cancel()
+
+    def _key(self, episode_id: str) -> str:
+        return self.keys.episode(self.trainer, check_id("episode_id", episode_id))
+
+    # --- starting, turns, ending -------------------------------------------------------------
+
+    async def start(self, prompt: Sequence[int], n: int = 1,
+                    sampling: Sampling | dict[str, Any] | None = None, *,
+                    episode_id: str | None = None, min_version: int | None = None,
+                    max_version: int | None = None, exact_version: int | None = None,
+                    max_staleness: int | None = None, move: bool = False,
+                    ttl_s: int = DEFAULT_TTL_S, deadline_s: float | None = None) -> list[Turn]:
+        """Start an episode and serve its first turn; returns one Turn per branch.
+
+        `n` branches (a GRPO group of episodes): the first turn is one group of n samples, and
+        branch i, `<episode_id>.<i>`, goes on from sample i on its own. Every turn of a branch is
+        served by the version that served its first turn, unless `move` (then by any version of
+        the window, never an older one than the last turn's; `Episode.token_versions` says which).
+        """
+        from rollq.client import _sampling, _window as client_window
+
+        validate_n(n)
+        episode_id = check_id("episode_id", episode_id) if episode_id else uuid.uuid4().hex
+        if len(episode_id) > MAX_EPISODE_ID_CHARS:  # room for a branch and a turn in the job ids
+            raise InvalidInput("episode_id", f"is {len(episode_id)} characters; the limit is "
+                                             f"{MAX_EPISODE_ID_CHARS}")
+        lo, hi, staleness = client_window(min_version, max_version, exact_version, max_staleness)
+        settings = _sampling(sampling)
+        if not move:  # a sample crossing a swap would have two versions: drain instead
+            settings = msgspec.structs.replace(settings, swap_modes=("drain",))
+        if not 1 <= ttl_s <= 30 * 86_400:
+            raise InvalidInput("ttl_s", f"ttl_s={ttl_s} must be in [1, 2592000]")
+        prompt = _token_ids("prompt", prompt)
+        branches = [f"{episode_id}.{i}" for i in range(n)]
+        job_id = f"{episode_id}.t0"
+        arrays = _added(prompt, None)
+        reply = await self.client.scripts.episode_start(
+            keys=[self.keys.episodes, *map(self._key, branches)],
+            args=[self.trainer, encode(settings), lo, "" if hi is None else hi,
+                  "" if staleness is None else staleness, int(move), ttl_s, job_id,
+                  time.time(), *arrays], client=self.client.redis)
+        if _text(reply) == Reply.DUP:
+            raise InvalidInput("episode_id", f"{episode_id!r} is taken (an episode of this trainer)")
+        return await self._run(episode_id, job_id, branches, [], prompt, n, settings,
+                               (lo, hi, staleness), deadline_s)
+
+    async def turn(self, episode_id: str, new_tokens: Sequence[int], *,
+                   max_tokens: int | None = None, deadline_s: float | None = None) -> Turn:
+        """Append `new_tokens` (a tool's output, a user message: not sampled, masked out) and
+        sample the policy's reply from the exact token ids of everything before."""
+        new_tokens = _token_ids("new_tokens", new_tokens)
+        key = self._key(episode_id)
+        fields = await self.client.redis.hmget(key, EpisodeField.SAMPLING, EpisodeField.MIN_VERSION,
+                                               EpisodeField.MAX_VERSION, EpisodeField.MAX_STALENESS,
+                                               EpisodeField.MOVE, EpisodeField.VERSION,
+                                               EpisodeField.WORKER)
+        if fields[0] is None:
+            raise EpisodeError(episode_id, "unknown", "no such episode of this trainer (unknown, "
+                                                      "or expired: start a new one)")
+        version = int(fields[5]) if fields[5] else None
+        move = fields[4] == b"1"
+        job_id = f"{episode_id}.t{uuid.uuid4().hex[:12]}"
+        reply = await self.client.scripts.episode_turn(
+            keys=[key, self.keys.episodes], args=[self.trainer, job_id],
+            client=self.client.redis)
+        word = Reply(_text(reply[0]))
+        if word is Reply.GONE:
+            raise EpisodeError(episode_id, "unknown", "no such episode of this trainer (unknown, "
+                                                      "or expired: start a new one)")
+        if word is Reply.ENDED:
+            raise EpisodeError(episode_id, "ended", "it was ended; start a new episode")
+        if word is Reply.BUSY:
+            raise EpisodeError(episode_id, "running", f"its turn {_text(reply[1])} is still running; "
+                                                      "wait for it before sending the next")
+        settings = msgspec.msgpack.decode(fields[0], type=Sampling)
+        if max_tokens is not None:
+            settings = msgspec.structs.replace(settings, max_tokens=max_tokens)
+        prompt = unpack_tokens(reply[1]) + new_tokens
+        window = _window(_text(fields[1]), _text(fields[2]), _text(fields[3]), version, move)
+        try:
+            [done] = await self._run(episode_id, job_id, [episode_id], new_tokens, prompt, 1, settings,
+                                     window, deadline_s, _text(fields[6]) if self.affinity else None)
+        except EpisodeError as e:
+            # Version 0 (the start-up model) is never registered: a version above it, older than
+            # the newest and no longer registered, was retired.
+            if version is not None and not move and await self._retired(version):
+                raise EpisodeError(episode_id, "retired", f"its version {version} is no longer "
+                                   f"registered (retired); no worker will serve it again ({e})") from None
+            raise
+        return done
+
+    async def _retired(self, version: int) -> bool:
+        latest = await self.client.registry.latest()
+        return (latest is not None and 0 < version < latest
+                and await self.client.registry.get(version) is None)
+
+    async def end(self, episode_id: str) -> Episode:
+        """End the episode (no more turns; its version is no longer kept for it) and return it."""
+        reply = await self.client.scripts.episode_end(keys=[self._key(episode_id), self.keys.episodes],
+                                                      args=[self.trainer], client=self.client.redis)
+        if Reply(_text(reply)) is Reply.GONE:
+            raise EpisodeError(episode_id, "unknown", "no such episode of this trainer (unknown, "
+                                                      "or expired)")
+        return await self.get(episode_id)
+
+    async def get(self, episode_id: str) -> Episode:
+        record = await self.client.redis.hgetall(self._key(episode_id))
+        if not record or _text(record.get(EpisodeField.TRAINER.encode())) != self.trainer:
+            raise EpisodeError(episode_id, "unknown", "no such episode of this trainer (unknown, "
+                                                      "or expired)")
+
+        def raw(f: EpisodeField) -> bytes:
+            return record.get(f.encode(), b"")
+
+        version = _text(raw(EpisodeField.VERSION))
+        return Episode(episode_id, EpisodeState(_text(raw(EpisodeField.STATE))),
+                       unpack_tokens(raw(EpisodeField.TOKENS)), list(raw(EpisodeField.MASK)),
+                       unpack_floats(raw(EpisodeField.LOGPROBS)),
+                       unpack_tokens(raw(EpisodeField.TOKEN_VERSIONS)),
+                       int(version) if version else None, int(raw(EpisodeField.TURNS) or 0),
+                       _text(raw(EpisodeField.WORKER)), _text(raw(EpisodeField.REASON)))
+
+    # --- a turn's job and its result ---------------------------------------------------------
+
+    async def _run(self, episode_id: str, job_id: str, branches: list[str], new_tokens: list[int],
+                   prompt: list[int], n: int, settings: Sampling, window,
+                   deadline_s: float | None, route: str | None = None) -> list[Turn]:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting[job_id] = (branches, new_tokens, waiter)
+        if self._router is None or self._router.done():
+            self._router = asyncio.create_task(self._route(), name="episode-results")
+        try:
+            await self._submit(job_id, prompt, n, settings, window, deadline_s, route)
+        except BaseException as e:
+            self._waiting.pop(job_id, None)
+            await self._apply(job_id, branches, new_tokens, None, f"not submitted: {e}")
+            raise
+        result: GroupResult = await waiter
+        if result.status != "ok" or len(result.samples) != n:
+            raise EpisodeError(episode_id, "failed", f"its turn ended {result.status}: {result.reason} "
+                                                     "(nothing was added; send the turn again or end it)")
+        return [Turn(b, new_tokens, s, result.worker_id, s.versions[-1][0] if s.versions else 0)
+                for b, s in zip(branches, result.samples)]
+
+    async def _submit(self, job_id: str, prompt: list[int], n: int, settings: Sampling, window,
+                      deadline_s: float | None, route: str | None) -> None:
+        """Queue the turn's group: on the stream routed to `route` (a worker) when it still serves
+        the window's version, else on the trainer's own stream, which every worker reads."""
+        submitter = self._submitter
+        validate_window(*window)
+        [(item, deadline)] = submitter._encode_items(job_id, [prompt], n, settings, deadline_s, window)
+        stream = await self._routed_stream(route, window)
+        if stream is not None:  # listed first: a worker reading it never misses an entry
+            await submitter._retrying(self.client.redis.hset, self.keys.routed, stream, time.time())
+        await submitter._retrying(
+            jobs.enqueue, self.client.redis, submitter.scripts, self.keys, trainer=submitter.trainer_id,
+            job_id=job_id, items=[item], quota=submitter.max_outstanding,
+            byte_quota=submitter.max_outstanding_bytes, deadline=deadline, meta=encode_meta(None),
+            min_version=window[0], max_version=window[1], stream=stream)
+
+    async def _routed_stream(self, worker: str | None, window) -> str | None:
+        """Prefix-cache affinity: the worker that served the last turn, if it is alive, serving
+        (not swapping) and on the turn's exact version."""
+        lo, hi, _ = window
+        if not worker or lo != hi:
+            return None
+        beat = await self.client.redis.get(self.keys.worker(worker))
+        if beat is None:
+            return None
+        state = msgspec.json.decode(beat, type=WorkerState)
+        if state.state != "serving" or state.version != lo or state.target is not None:
+            return None
+        return self.keys.routed_work(self._submitter.trainer_id, worker, lo)
+
+    async def _apply(self, job_id: str, branches: list[str], new_tokens: list[int],
+                     result: GroupResult | None, reason: str = "") -> None:
+        served = result is not None and result.status == "ok" and len(result.samples) == len(branches)
+        args: list[Any] = [job_id]
+        for i, _ in enumerate(branches):
+            sample = result.samples[i] if served else None
+            version = sample.versions[-1][0] if sample and sample.versions else 0
+            why = reason or (f"{result.status}: {result.reason}" if result else "")
+            args += [int(served), version, result.worker_id if result else "", why,
+                     *_added(new_tokens, sample if served else None)]
+        await self.client.scripts.episode_apply(keys=[self.keys.episodes, *map(self._key, branches)],
+                                                args=args, client=self.client.redis)
+
+    async def _route(self) -> None:
+        try:
+            await self._route_results()
+        except BaseException as e:  # no caller may wait forever for a router that is gone
+            for *_, waiter in self._waiting.values():
+                if not waiter.done():
+                    waiter.set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
+            raise
+
+    async def _route_results(self) -> None:
+        """Read the turns' results, apply each to its episodes, then acknowledge it and wake its
+        caller. A result nobody waits for (a restarted client's) is acknowledged and dropped: its
+        episode stays `running` until it expires."""
+        submitter = self._submitter
+        while self._waiting and not self._stopping:
+            # Whatever has arrived, as soon as one has (`take` would wait for 64 or its timeout).
+            results = [r for entry_id, r in await submitter._next_batch(64, 500)
+                       if submitter._hand(entry_id, "manual")]
+            for result in results:
+                found = self._waiting.pop(result.job_id, None)
+                if found is None:
+                    log.warning("result of %s: no turn waits for it; dropped", result.job_id)
+                else:
+                    branches, new_tokens, waiter = found
+                    try:
+                        await self._apply(result.job_id, branches, new_tokens, result)
+                    except Exception as e:  # noqa: BLE001 (the caller sees it)
+                        if not waiter.done():
+                            waiter.set_exception(e)
+                    else:
+                        if not waiter.done():
+                            waiter.set_result(result)
+            if results:
+                await self._submitter.ack(results)
+
+
+CONTINUATION_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
+"""A conversation that new messages of a turn follow (they come after the policy's reply)."""
+
+
+def chat_continuation(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                      **template_kwargs: Any) -> list[int]:
+    """The token ids a chat template puts after an assistant turn for `messages` (a tool's
+    output, a user message) and the next generation prompt: what a turn sends as new tokens.
+
+    Earlier turns are never rendered again: a template may render them differently from how they
+    were sampled (one that drops the thinking of earlier assistant turns would change tokens the
+    policy already produced). The continuation is `render(BASE + messages) - render(BASE)` with a
+    fixed stand-in BASE ending in an assistant message; it includes whatever the template closes
+    an assistant message with (e.g. its end-of-turn token: when a sample already ended with it, as a stop
+    token, drop it from the continuation).
+    """
+    base = list(CONTINUATION_BASE)
+    before = _ids(tokenizer.apply_chat_template(base, tokenize=True, add_generation_prompt=False,
+                                                **template_kwargs))
+    after = _ids(tokenizer.apply_chat_template(base + list(messages), tokenize=True,
+                                               add_generation_prompt=True, **template_kwargs))
+    if after[:len(before)] != before:
+        raise InvalidInput("messages", "the chat template renders a conversation differently once "
+                                       "messages follow it; its continuation is not well defined")
+    return after[len(before):]
+
+
+def _ids(rendered: Any) -> list[int]:
+    if hasattr(rendered, "keys"):  # transformers 5 returns a BatchEncoding
+        rendered = rendered["input_ids"]
+    return list(rendered)

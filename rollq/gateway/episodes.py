@@ -1,0 +1,187 @@
+"""HTTP episodes: `/v1/policies/{policy}/episodes/...`, the same `rollq.episodes.Episodes` the
+Python client uses, one per (policy, trainer) in this gateway.
+
+A turn sends `tokens` (ids to append) or `messages` (a tool's output, a user message), which
+need the gateway's `--tokenizer`: they become the template's continuation after the last reply
+(`rollq.episodes.chat_continuation`), never a re-rendering of earlier turns. The first turn's
+`messages` are rendered whole (with the generation prompt).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from rollq.episodes import Episode, EpisodeError, Episodes, Turn, chat_continuation
+from rollq.gateway.api import _context
+from rollq.gateway.http import ApiError, read_body, reply
+from rollq.gateway.state import Gateway
+from rollq.protocol import InvalidInput
+from rollq.queue.keys import Keys
+from rollq.queue.workers import live_workers
+
+
+class EpisodeStartRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    prompt: list[int] | None = None
+    """Token ids; or `messages` (needs the gateway's tokenizer)."""
+    messages: list[dict[str, Any]] | None = None
+    n: int = 1
+    """Branches: one group of n samples, each branch going on on its own."""
+    sampling: dict[str, Any] | None = None
+    episode_id: str | None = None
+    min_version: int | None = None
+    max_version: int | None = None
+    exact_version: int | None = None
+    max_staleness: int | None = None
+    move: bool = False
+    """Later turns may be served by a newer version of the window (recorded per token)."""
+    ttl_s: int = 600
+    deadline_s: float | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+
+
+class EpisodeTurnRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    tokens: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    deadline_s: float | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+
+
+class TurnView(msgspec.Struct):
+    episode_id: str
+    new_tokens: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[tuple[int, int]]
+    """Version segments of the sampled tokens: (version, first index)."""
+    finish_reason: str
+    version: int
+    worker_id: str
+    text: str = ""
+
+
+class TurnsView(msgspec.Struct):
+    episodes: list[TurnView]
+
+
+class EpisodeView(msgspec.Struct):
+    episode_id: str
+    state: str
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float | None]
+    """null where the policy did not sample the token."""
+    token_versions: list[int]
+    version: int | None
+    turns: int
+    worker: str
+    reason: str
+
+
+def turn_view(turn: Turn) -> TurnView:
+    s = turn.sample
+    return TurnView(turn.episode_id, turn.new_tokens, s.token_ids, s.token_logprobs,
+                    [tuple(v) for v in s.versions], s.finish_reason, turn.version, turn.worker_id, s.text)
+
+
+def episode_view(e: Episode) -> EpisodeView:
+    return EpisodeView(e.episode_id, str(e.state), e.tokens, e.mask,
+                       [None if math.isnan(x) else x for x in e.logprobs], e.token_versions, e.version,
+                       e.turns, e.worker, e.reason)
+
+
+STATUS = {"unknown": 404, "running": 409, "ended": 409, "retired": 410, "failed": 422}
+"""HTTP status of each EpisodeError reason."""
+
+EPISODES = web.AppKey("episodes", dict)
+"""(policy, trainer) -> Episodes of this gateway."""
+
+
+async def _served(gw: Gateway, policy: str) -> None:
+    """A turn is awaited: with no worker to serve it, say so now rather than hold the request."""
+    if not await live_workers(gw.redis, Keys(policy)):
+        raise ApiError(409, f"no live worker serves policy {policy!r}; an episode's turns are "
+                            "served while the caller waits: start a worker first", "policy")
+
+
+def _episodes(request: web.Request) -> tuple[Gateway, Episodes]:
+    gw, policy, who = _context(request)
+    made = request.app[EPISODES]
+    key = (policy, who.trainer)
+    if key not in made:
+        made[key] = Episodes(gw.client(policy, who.trainer), owner=gw.settings.gateway_id)
+    return gw, made[key]
+
+
+def _tokens(gw: Gateway, tokens: list[int] | None, messages: list[dict[str, Any]] | None,
+            kwargs: dict[str, Any], first: bool) -> list[int]:
+    if (tokens is None) == (messages is None):
+        raise InvalidInput("messages", "give token ids or messages, one of the two")
+    if messages is None:
+        return tokens
+    tokenizer = gw.words.tokenizer
+    if tokenizer is None:
+        raise InvalidInput("messages", "this gateway has no tokenizer (--tokenizer): send token ids")
+    try:
+        if first:
+            rendered = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                     return_dict=False, **kwargs)
+            return list(rendered)
+        return chat_continuation(tokenizer, messages, **kwargs)
+    except InvalidInput:
+        raise
+    except Exception as e:  # the template's own error (an unknown role, a raise_exception)
+        raise InvalidInput("messages", f"the chat template refused them: {e}") from None
+
+
+async def _guarded(episode_id: str, call):
+    try:
+        return await call
+    except EpisodeError as e:
+        raise ApiError(STATUS[e.reason], str(e), "episode_id") from None
+
+
+async def start_episode(request: web.Request) -> web.Response:
+    gw, episodes = _episodes(request)
+    body = await read_body(request, EpisodeStartRequest)
+    prompt = _tokens(gw, body.prompt, body.messages, body.chat_template_kwargs, first=True)
+    await _served(gw, episodes.keys.policy)
+    turns = await _guarded(body.episode_id or "", episodes.start(
+        prompt, body.n, body.sampling, episode_id=body.episode_id, min_version=body.min_version,
+        max_version=body.max_version, exact_version=body.exact_version,
+        max_staleness=body.max_staleness, move=body.move, ttl_s=body.ttl_s, deadline_s=body.deadline_s))
+    return reply(request, TurnsView([turn_view(t) for t in turns]), status=201)
+
+
+async def episode_turn(request: web.Request) -> web.Response:
+    gw, episodes = _episodes(request)
+    episode_id = request.match_info["episode_id"]
+    body = await read_body(request, EpisodeTurnRequest)
+    new = _tokens(gw, body.tokens, body.messages, body.chat_template_kwargs, first=False)
+    await _served(gw, episodes.keys.policy)
+    turn = await _guarded(episode_id, episodes.turn(episode_id, new, max_tokens=body.max_tokens,
+                                                    deadline_s=body.deadline_s))
+    return reply(request, turn_view(turn))
+
+
+async def get_episode(request: web.Request) -> web.Response:
+    _, episodes = _episodes(request)
+    episode_id = request.match_info["episode_id"]
+    return reply(request, episode_view(await _guarded(episode_id, episodes.get(episode_id))))
+
+
+async def end_episode(request: web.Request) -> web.Response:
+    _, episodes = _episodes(request)
+    episode_id = request.match_info["episode_id"]
+    return reply(request, episode_view(await _guarded(episode_id, episodes.end(episode_id))))
+
+
+async def lifetime(app: web.Application):
+    """cleanup_ctx: close every Episodes (their result routers) when the app stops."""
+    yield
+    for episodes in app[EPISODES].values():
+        await episodes.close()

@@ -1,0 +1,20 @@
+-- Begin a turn: an idle episode of this trainer becomes running, its turn job named.
+-- KEYS: the episode record, episodes set.  ARGV: trainer, turn job.
+-- Returns {REPLY_OK, tokens, version, turns}, {REPLY_GONE} (unknown, expired or another
+-- trainer's), {REPLY_BUSY, the running turn's job} or {REPLY_ENDED}.
+local found = redis.call('HMGET', KEYS[1], EPISODE_TRAINER, EPISODE_STATE, EPISODE_TURN_JOB,
+  EPISODE_TTL)
+if found[1] ~= ARGV[1] then
+  return {REPLY_GONE}
+end
+if found[2] == EPISODE_IS_ENDED then
+  return {REPLY_ENDED}
+end
+if found[2] == EPISODE_IS_RUNNING then
+  return {REPLY_BUSY, found[3]}
+end
+redis.call('HSET', KEYS[1], EPISODE_STATE, EPISODE_IS_RUNNING, EPISODE_TURN_JOB, ARGV[2])
+redis.call('EXPIRE', KEYS[1], found[4])
+redis.call('ZADD', KEYS[2], redis.call('TIME')[1] + found[4], KEYS[1])
+local now = redis.call('HMGET', KEYS[1], EPISODE_TOKENS, EPISODE_VERSION, EPISODE_TURNS)
+return {REPLY_OK, now[1], now[2], now[3]}

@@ -1,0 +1,234 @@
+"""Episodes on the queue (issue 15): the record, exact continuation, branches, errors and
+retention. The instant engine stands in for generation (named as such: these tests are about the
+record and the queue; tests/test_episodes_vllm.py checks generation on real vLLM)."""
+
+import asyncio
+import math
+
+import pytest
+
+from rollq.engine.instant import FAIL_TOKEN, expected_tokens
+from rollq.episodes import EpisodeError
+from rollq.engine.instant import InstantEngine
+from rollq.protocol import InvalidInput, VersionEntry, pack_tokens
+from rollq.queue.names import EpisodeField, EpisodeState
+from rollq.registry.retention import needed_by_episodes, retain
+
+SAMPLING = {"max_tokens": 5}
+
+
+async def test_each_turn_continues_from_the_exact_ids_and_the_record_holds_mask_and_logprobs(
+        make_client, make_worker):
+    make_worker()
+    client = make_client()
+    episodes = client.episodes()
+    prompt = [11, 12, 13]
+    [first] = await episodes.start(prompt, sampling=SAMPLING)
+    expected = prompt + expected_tokens(pack_tokens(prompt), 0, 5, 32_000)
+    assert first.tokens == expected[3:]
+    mask = [0] * 3 + [1] * 5
+    for k, new in enumerate([[21], [22, 23], [24, 25, 26]]):
+        turn = await episodes.turn(first.episode_id, new)
+        # The prompt the worker saw is exactly the sequence so far plus the new tokens.
+        assert turn.tokens == expected_tokens(pack_tokens(expected + new), 0, 5, 32_000), k
+        expected += new + turn.tokens
+        mask += [0] * len(new) + [1] * 5
+    episode = await episodes.end(first.episode_id)
+    assert episode.tokens == expected
+    assert episode.mask == mask
+    assert episode.turns == 4 and episode.state == EpisodeState.ENDED
+    assert [math.isnan(x) for x in episode.logprobs] == [m == 0 for m in mask]
+    assert [x for x, m in zip(episode.logprobs, mask) if m] == [-1.0] * 20
+    assert episode.token_versions == [-1 if m == 0 else 0 for m in mask]
+    assert episode.worker and episode.version == 0
+    await episodes.close()
+
+
+async def test_n_branches_continue_each_on_its_own(make_client, make_worker):
+    make_worker()
+    client = make_client()
+    episodes = client.episodes()
+    turns = await episodes.start([5, 6], n=3, sampling=SAMPLING, episode_id="grpo")
+    assert [t.episode_id for t in turns] == ["grpo.0", "grpo.1", "grpo.2"]
+    assert len({tuple(t.tokens) for t in turns}) == 3  # three different samples
+    await episodes.turn("grpo.1", [7])
+    records = [await episodes.get(f"grpo.{i}") for i in range(3)]
+    assert [r.turns for r in records] == [1, 2, 1]
+    assert records[1].tokens[:7] == [5, 6, *turns[1].tokens]
+    assert records[0].tokens == [5, 6, *turns[0].tokens]
+    await episodes.close()
+
+
+async def test_bad_turns_get_clear_errors_and_the_worker_goes_on(make_client, make_worker, redis):
+    worker, _ = make_worker(delay_s=0.5)
+    client = make_client()
+    episodes = client.episodes()
+    with pytest.raises(EpisodeError, match="unknown, or expired") as unknown:
+        await episodes.turn("nope", [1])
+    assert unknown.value.reason == "unknown"
+    [first] = await episodes.start([1, 2], sampling=SAMPLING)
+    running = asyncio.create_task(episodes.turn(first.episode_id, [3]))
+    await asyncio.sleep(0.1)
+    with pytest.raises(EpisodeError, match="still running") as busy:
+        await episodes.turn(first.episode_id, [4])
+    assert busy.value.reason == "running"
+    await running
+    # A turn the engine fails: nothing is added, the episode is idle again and says why.
+    with pytest.raises(EpisodeError, match="ended failed: .*FAIL_TOKEN") as failed:
+        await episodes.start([FAIL_TOKEN, 1], sampling=SAMPLING)
+    assert failed.value.reason == "failed"
+    before = await episodes.get(first.episode_id)
+    await episodes.end(first.episode_id)
+    with pytest.raises(EpisodeError, match="ended; start a new") as ended:
+        await episodes.turn(first.episode_id, [5])
+    assert ended.value.reason == "ended"
+    # Expired: the record is gone.
+    [other] = await episodes.start([9], sampling=SAMPLING, ttl_s=1)
+    await asyncio.sleep(1.2)
+    with pytest.raises(EpisodeError, match="expired"):
+        await episodes.turn(other.episode_id, [1])
+    # Another trainer cannot touch it.
+    [mine] = await episodes.start([9], sampling=SAMPLING)
+    stranger = make_client("stranger").episodes()
+    with pytest.raises(EpisodeError, match="unknown"):
+        await stranger.turn(mine.episode_id, [1])
+    assert before.turns == 2 and not worker.stopping
+    await episodes.close()
+    await stranger.close()
+
+
+async def test_a_failed_turn_adds_nothing_and_can_be_sent_again(make_client, make_worker):
+    make_worker()
+    episodes = make_client().episodes()
+    [first] = await episodes.start([1, 2], sampling=SAMPLING)
+    with pytest.raises(InvalidInput, match="limit is 131072"):
+        await episodes.turn(first.episode_id, [1] * 200_000)
+    record = await episodes.get(first.episode_id)
+    assert record.turns == 1 and record.state == EpisodeState.IDLE and len(record.tokens) == 7
+    assert record.reason.startswith("not submitted: prompts[0]")
+    turn = await episodes.turn(first.episode_id, [3])
+    assert (await episodes.get(first.episode_id)).tokens == [1, 2, *first.tokens, 3, *turn.tokens]
+    await episodes.close()
+
+
+async def test_retention_keeps_the_version_of_a_live_episode(make_client, make_worker, redis, tmp_path):
+    client = make_client(weight_store=str(tmp_path / "store"))
+    for v in (1, 2, 3):  # registered by hand: retention only reads entries
+        await client.registry.register(VersionEntry(v, str(tmp_path / f"v{v}"), [], 0, 0.0, "t",
+                                                    owned=False))
+    make_worker(engine=InstantEngine(version=2), follow=False, pinned=True)
+    episodes = client.episodes()
+    [first] = await episodes.start([1], sampling=SAMPLING, exact_version=2)
+    assert first.version == 2
+    assert await needed_by_episodes(redis, client.keys) == {2}
+    removed = await retain(redis, client.keys, None, keep=1)
+    assert 2 not in removed and await client.registry.get(2) is not None
+    await episodes.end(first.episode_id)
+    assert await needed_by_episodes(redis, client.keys) == set()
+    assert await redis.zcard(client.keys.episodes) == 0
+    await episodes.close()
+
+
+async def test_the_record_is_named_by_names_py(make_client, make_worker, redis):
+    make_worker()
+    client = make_client()
+    episodes = client.episodes()
+    [first] = await episodes.start([1], sampling=SAMPLING)
+    record = await redis.hgetall(client.keys.episode(client.trainer_id, first.episode_id))
+    assert {k.decode() for k in record} == {f.value for f in EpisodeField}
+    await episodes.close()
+
+
+async def test_turns_go_to_the_worker_that_served_the_previous_one(make_client, make_worker, redis):
+    """Prefix-cache affinity: two workers, 8 episodes of 4 turns; every turn is served where the
+    episode's first turn was (its routed stream is read by that worker alone)."""
+    make_worker("wa", delay_s=0.2, max_inflight=4)
+    make_worker("wb", delay_s=0.2, max_inflight=4)
+    client = make_client()
+    episodes = client.episodes()
+    starts = await asyncio.gather(*(episodes.start([i + 1, 2], sampling=SAMPLING) for i in range(8)))
+    firsts = [t for [t] in starts]
+    for k in range(3):
+        turns = await asyncio.gather(*(episodes.turn(t.episode_id, [k]) for t in firsts))
+        assert [t.worker_id for t in turns] == [t.worker_id for t in firsts]
+    assert {t.worker_id for t in firsts} == {"wa", "wb"}, "both workers served first turns"
+    routed = {k.decode() for k in await redis.hkeys(client.keys.routed)}
+    trainer = episodes._submitter.trainer_id
+    assert routed == {client.keys.routed_work(trainer, w, 0) for w in ("wa", "wb")}
+    # Without affinity, turns go to the shared stream (any worker).
+    loose = client.episodes(affinity=False)
+    [t] = await loose.start([1], sampling=SAMPLING)
+    assert await loose.turn(t.episode_id, [2])
+    assert await redis.hlen(client.keys.routed) == 2
+    await episodes.close()
+    await loose.close()
+
+
+async def test_a_worker_killed_mid_episode_the_episode_goes_on_elsewhere(make_client, spawn_worker, redis):
+    """Acceptance 4: the worker serving an episode is SIGKILLed while a turn runs on it; the turn
+    is served by the other worker (lease lapsed, its routed stream read by everyone once its
+    heartbeat is gone), tokens exact, the turn applied once."""
+    flags = {"lease_s": 1.0, "instant_delay_s": 1.5}
+    a, b = spawn_worker("ka", **flags), spawn_worker("kb", **flags)
+    client = make_client()
+    episodes = client.episodes()
+    [first] = await episodes.start([3, 4], sampling=SAMPLING, deadline_s=60)
+    victim, other = (a, b) if first.worker_id == "ka" else (b, a)
+    running = asyncio.create_task(episodes.turn(first.episode_id, [5], deadline_s=60))
+    routed = client.keys.routed_work(episodes._submitter.trainer_id, victim.worker_id, 0)
+
+    async def claimed():
+        return await redis.exists(routed) and (await redis.xpending(routed, "workers"))["pending"] == 1
+
+    give_up = asyncio.get_running_loop().time() + 10
+    while not await claimed():
+        assert asyncio.get_running_loop().time() < give_up, "the turn was not routed to its worker"
+        await asyncio.sleep(0.02)
+    victim.signal(9)
+    turn = await asyncio.wait_for(running, 40)
+    assert turn.worker_id == other.worker_id
+    expected = [3, 4] + first.tokens + [5]
+    assert turn.tokens == expected_tokens(pack_tokens(expected), 0, 5, 32_000)
+    # The next turn stays on the survivor.
+    again = await episodes.turn(first.episode_id, [6], deadline_s=60)
+    assert again.worker_id == other.worker_id
+    episode = await episodes.get(first.episode_id)
+    assert episode.turns == 3 and episode.tokens == expected + turn.tokens + [6] + again.tokens
+    await episodes.close()
+
+
+async def test_an_episode_is_listed_for_retention_as_long_as_its_ttl(make_client, make_worker, redis):
+    make_worker()
+    client = make_client()
+    episodes = client.episodes()
+    [first] = await episodes.start([1], sampling=SAMPLING, ttl_s=7200)
+    key = client.keys.episode(client.trainer_id, first.episode_id)
+    now = (await redis.time())[0]
+    assert 7190 < await redis.zscore(client.keys.episodes, key) - now <= 7200
+    assert 7190 < await redis.ttl(key) <= 7200
+    await episodes.turn(first.episode_id, [2])
+    assert 7190 < await redis.zscore(client.keys.episodes, key) - now <= 7201
+    await episodes.close()
+
+
+async def test_when_no_worker_serves_its_version_any_more_a_turn_fails_clearly(
+        make_client, make_worker, tmp_path):
+    """Followers only move forward: once every worker serves v2, a turn of an episode on v1 that
+    may not move fails (nothing added, the episode idle), and one that may move goes on on v2."""
+    import torch
+
+    make_worker()
+    client = make_client(weight_store=str(tmp_path / "store"))
+    episodes = client.episodes()
+    [stay] = await episodes.start([1, 2], sampling=SAMPLING)
+    [move] = await episodes.start([1, 2], sampling=SAMPLING, move=True, max_staleness=0)
+    await client.publish_weights(1, {"w": torch.zeros(2)})
+    with pytest.raises(EpisodeError, match=r"window \[0, 0\] can never be served") as failed:
+        await episodes.turn(stay.episode_id, [3], deadline_s=30)
+    assert failed.value.reason == "failed"
+    record = await episodes.get(stay.episode_id)
+    assert record.turns == 1 and record.state == EpisodeState.IDLE and record.reason
+    turn = await episodes.turn(move.episode_id, [3], deadline_s=30)
+    assert turn.version == 1
+    assert (await episodes.get(move.episode_id)).token_versions[-1] == 1
+    await episodes.close()
