@@ -15,13 +15,14 @@ import shutil
 import stat
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import blake3
 
 from rollq.protocol import FileDigest, check_id
-from rollq.registry import adapters
+from rollq.registry import adapters, staging
 from rollq.registry.safetensors_check import WeightError, check_header_of, not_regular, open_regular
 
 COMMIT_MARKER = "COMMITTED"
@@ -62,6 +63,23 @@ def check_digest(f, expected: FileDigest) -> None:
     if actual != expected.digest:
         raise WeightError(f"{expected.name}: {expected.algorithm} {actual[:12]}… does not match "
                           f"the registered {expected.digest[:12]}… (corrupted or replaced)")
+
+
+def _digest_bytes(data: memoryview) -> str:
+    return blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+
+
+def _checked(files: list[Path], digests: list[FileDigest]) -> list[FileDigest]:
+    """Digests a writer took from its own bytes: each file must have that size and a valid header."""
+    by_name = {d.name: d for d in digests}
+    if sorted(by_name) != sorted(f.name for f in files):
+        raise WeightError(f"written {sorted(f.name for f in files)}, hashed {sorted(by_name)}")
+    for f in files:
+        with os.fdopen(open_regular(f), "rb") as fh:
+            if os.fstat(fh.fileno()).st_size != by_name[f.name].bytes:
+                raise WeightError(f"{f.name}: written size differs from the hashed bytes")
+            check_header_of(fh, f.name)
+    return [by_name[f.name] for f in files]
 
 
 def _fsync_file(path: Path) -> None:
@@ -145,18 +163,19 @@ class WeightStore:
     def _write(self, policy: str, version: int, fill,
                listing=weight_files) -> tuple[Path, list[FileDigest]]:
         """`fill(tmp_dir)` writes the files (`listing` names them: safetensors, or an adapter's
-        two files); the rest makes them a committed version."""
+        two files) and may return their digests, taken from the bytes it wrote (then only
+        sizes and headers are read back); the rest makes them a committed version."""
         parent = self._policy_dir(policy)
         parent.mkdir(parents=True, exist_ok=True)
         name = f"v{version:010d}-{uuid.uuid4().hex[:8]}"
         tmp = parent / f".tmp-{name}"
         tmp.mkdir()
         try:
-            fill(tmp)
+            digests = fill(tmp)
             names = listing(tmp)
             for f in names:
                 _fsync_file(f)
-            files = digest_files(names)
+            files = digest_files(names) if digests is None else _checked(names, digests)
             manifest = {"version": version,
                         "files": [[d.name, d.digest, d.bytes, d.algorithm] for d in files],
                         "committed_at": time.time()}
@@ -187,6 +206,23 @@ class WeightStore:
 
         def fill(tmp: Path) -> None:
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+        return self._write(policy, version, fill)
+
+    def write_image(self, policy: str, version: int,
+                    image: staging.Image) -> tuple[Path, list[FileDigest]]:
+        """A packed checkpoint (`staging.Staging.pack`): written to disk while another thread
+        hashes the same bytes in memory (BLAKE3 releases the GIL), so the file is never read back."""
+
+        def fill(tmp: Path) -> list[FileDigest]:
+            view = image.view
+            with ThreadPoolExecutor(1) as pool:
+                hashing = pool.submit(_digest_bytes, view)
+                with open(tmp / "model.safetensors", "xb", buffering=0) as f:
+                    for start in range(0, image.size, _CHUNK):
+                        f.write(view[start:start + _CHUNK])
+                digest = hashing.result()
+            return [FileDigest("model.safetensors", digest, image.size, DIGEST)]
 
         return self._write(policy, version, fill)
 
