@@ -1,9 +1,10 @@
 """The weight store: safetensors files on a filesystem every worker sees, written atomically.
 
-A version is written into a private temp directory, every file fsynced and hashed (BLAKE3), a
-`COMMITTED` manifest written last, then the directory renamed into place and its parent fsynced:
-a reader never sees a half-written version. Directory names are unique per write, so two
-concurrent publishers of one version never collide; the registry's compare-and-set picks one.
+A version is written into a private temp directory, every file hashed (BLAKE3), a `COMMITTED`
+manifest written last, all of them and the directory fsynced together, then the directory renamed
+into place and its parent fsynced: a reader never sees a half-written version. Directory names
+are unique per write, so two concurrent publishers of one version never collide; the registry's
+compare-and-set picks one.
 """
 
 from __future__ import annotations
@@ -85,6 +86,17 @@ def _checked(files: list[Path], digests: list[FileDigest]) -> list[FileDigest]:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+def _fsync_together(files: list[Path], directory: Path) -> None:
+    """fsync the files and their directory at once: concurrent fsyncs share the filesystem's
+    journal commits (one round instead of one per file, ~3 ms each here, far more on a busy
+    disk). The order among them does not matter: the rename that follows is what commits a
+    version, and it runs only once they all returned."""
+    with ThreadPoolExecutor(len(files) + 1) as pool:
+        waits = [pool.submit(_fsync_file, f) for f in files] + [pool.submit(_fsync_dir, directory)]
+        for w in waits:
+            w.result()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -173,16 +185,13 @@ class WeightStore:
         try:
             digests = fill(tmp)
             names = listing(tmp)
-            for f in names:
-                _fsync_file(f)
             files = digest_files(names) if digests is None else _checked(names, digests)
             manifest = {"version": version,
                         "files": [[d.name, d.digest, d.bytes, d.algorithm] for d in files],
                         "committed_at": time.time()}
             marker = tmp / COMMIT_MARKER
             marker.write_text(json.dumps(manifest))
-            _fsync_file(marker)
-            _fsync_dir(tmp)
+            _fsync_together([*names, marker], tmp)
             final = parent / name
             os.rename(tmp, final)
             _fsync_dir(parent)
