@@ -86,3 +86,20 @@ async def test_a_failed_background_publish_is_logged_even_if_nobody_awaits_it(ma
     assert any("VersionConflict" in r.getMessage() for r in caplog.records)
     with pytest.raises(VersionConflict):
         await lost
+
+
+def test_a_copied_directory_is_hashed_from_the_bytes_written_each_file_whole(tmp_path):
+    from safetensors.torch import save_file
+
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    shards = {"a.safetensors": {"x": torch.randn(300, 300)},  # larger, then smaller, then larger
+              "b.safetensors": {"y": torch.randn(10)},
+              "c.safetensors": {"z": torch.randn(400, 400)}}
+    for name, tensors in shards.items():
+        save_file(tensors, str(source / name))
+    path, files = WeightStore(tmp_path / "store").copy_dir("p", 1, source)
+    assert [d.name for d in files] == sorted(shards)
+    for d in files:
+        assert (path / d.name).read_bytes() == (source / d.name).read_bytes()
+        assert d.digest == digest_file(source / d.name) and d.bytes == (source / d.name).stat().st_size

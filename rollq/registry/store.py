@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import stat
@@ -68,6 +69,17 @@ def check_digest(f, expected: FileDigest) -> None:
 
 def _digest_bytes(data: memoryview) -> str:
     return blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+
+
+def _write_hashed(target: Path, data: memoryview) -> FileDigest:
+    """Write `data` to a new file while another thread hashes it (BLAKE3 releases the GIL)."""
+    with ThreadPoolExecutor(1) as pool:
+        hashing = pool.submit(_digest_bytes, data)
+        with open(target, "xb", buffering=0) as f:
+            written = 0
+            while written < len(data):  # a raw write may take less than it was given
+                written += f.write(data[written:written + _CHUNK])
+        return FileDigest(target.name, hashing.result(), len(data), DIGEST)
 
 
 def _checked(files: list[Path], digests: list[FileDigest]) -> list[FileDigest]:
@@ -224,21 +236,37 @@ class WeightStore:
         hashes the same bytes in memory (BLAKE3 releases the GIL), so the file is never read back."""
 
         def fill(tmp: Path) -> list[FileDigest]:
-            view = image.view
-            with ThreadPoolExecutor(1) as pool:
-                hashing = pool.submit(_digest_bytes, view)
-                with open(tmp / "model.safetensors", "xb", buffering=0) as f:
-                    for start in range(0, image.size, _CHUNK):
-                        f.write(view[start:start + _CHUNK])
-                digest = hashing.result()
-            return [FileDigest("model.safetensors", digest, image.size, DIGEST)]
+            return [_write_hashed(tmp / "model.safetensors", image.view)]
 
         return self._write(policy, version, fill)
 
     def copy_dir(self, policy: str, version: int, source: Path,
                  listing=weight_files) -> tuple[Path, list[FileDigest]]:
-        """The files `listing` names (an adapter: `adapter_files`, nothing else of the directory)."""
+        """The files `listing` names (an adapter: `adapter_files`, nothing else of the directory).
+
+        Weight files pass through memory once: each is read into a buffer, then written while
+        another thread hashes the buffer (one read of the source, none of the copy)."""
         files = listing(source)
+
+        def fill_weights(tmp: Path) -> list[FileDigest]:
+            digests, buffer = [], None
+            for f in files:  # opened without following links: the name may have changed since
+                with os.fdopen(open_regular(f), "rb", buffering=0) as src:
+                    size = os.fstat(src.fileno()).st_size
+                    if buffer is None or len(buffer) < size:
+                        buffer = mmap.mmap(-1, max(size, 1))
+                    view = memoryview(buffer)[:size]
+                    read = 0
+                    while read < size and (n := src.readinto(view[read:])):
+                        read += n
+                    if read != size or src.read(1):
+                        raise WeightError(f"{f.name}: changed size while it was copied")
+                    digests.append(_write_hashed(tmp / f.name, view))
+                    view.release()
+            return digests
+
+        if listing is weight_files:
+            return self._write(policy, version, fill_weights, listing)
 
         def fill(tmp: Path) -> None:
             for f in files:  # opened without following links: the name may have changed since
