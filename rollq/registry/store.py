@@ -83,7 +83,8 @@ def _write_hashed(target: Path, data: memoryview) -> FileDigest:
 
 
 def _checked(files: list[Path], digests: list[FileDigest]) -> list[FileDigest]:
-    """Digests a writer took from its own bytes: each file must have that size and a valid header."""
+    """Digests a writer took from its own bytes: each file must have that size, and a weight
+    file a valid header (an adapter's config was parsed from those bytes)."""
     by_name = {d.name: d for d in digests}
     if sorted(by_name) != sorted(f.name for f in files):
         raise WeightError(f"written {sorted(f.name for f in files)}, hashed {sorted(by_name)}")
@@ -91,7 +92,8 @@ def _checked(files: list[Path], digests: list[FileDigest]) -> list[FileDigest]:
         with os.fdopen(open_regular(f), "rb") as fh:
             if os.fstat(fh.fileno()).st_size != by_name[f.name].bytes:
                 raise WeightError(f"{f.name}: written size differs from the hashed bytes")
-            check_header_of(fh, f.name)
+            if f.suffix == ".safetensors":
+                check_header_of(fh, f.name)
     return [by_name[f.name] for f in files]
 
 
@@ -277,12 +279,14 @@ class WeightStore:
 
     def write_adapter(self, policy: str, version: int, tensors: dict[str, Any],
                       config: bytes) -> tuple[Path, list[FileDigest]]:
-        """An adapter version: its LoRA tensors and its PEFT config (JSON bytes)."""
-        from safetensors.torch import save_file
+        """An adapter version: its LoRA tensors and its PEFT config (JSON bytes), checked and
+        hashed from memory as they are written (nothing read back but the tensors' header)."""
+        adapters.parse_config(config)
+        image = staging.Staging(keep=0).pack(tensors)
 
-        def fill(tmp: Path) -> None:
-            save_file(tensors, str(tmp / adapters.WEIGHTS), metadata={"format": "pt"})
-            (tmp / adapters.CONFIG).write_bytes(config)
+        def fill(tmp: Path) -> list[FileDigest]:
+            return [_write_hashed(tmp / adapters.WEIGHTS, image.view),
+                    _write_hashed(tmp / adapters.CONFIG, memoryview(config))]
 
         return self._write(policy, version, fill, adapter_files)
 
