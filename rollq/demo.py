@@ -305,10 +305,11 @@ def report(runs: dict, s: DemoSettings) -> float | None:
             for i, b in enumerate(busy)))
     for mode, times in TIMES.items():
         swap = times["swap"]
-        phases = ", ".join(f"{k} {swap[k]:.1f} s" for k in ("verify", "drain", "pause", "load", "resume")
+        phases = ", ".join(f"{k} {swap[k]:.1f} s" for k in ("drain", "pause", "load", "resume")
                            if k in swap)
         console.print(f"{mode} time: publish {times['publish']:.1f} s (trainer), "
-                      f"{swap.get('swaps', 0):.0f} swaps {swap.get('total', 0.0):.1f} s ({phases}) (worker), "
+                      f"{swap.get('swaps', 0):.0f} swaps {swap.get('total', 0.0):.1f} s ({phases}; "
+                      f"before them, verify {swap.get('verify', 0.0):.1f} s while serving) (worker), "
                       f"waiting {sum(x.wait_s for x in runs[mode]):.1f} s, "
                       f"training {sum(x.train_s for x in runs[mode]):.1f} s")
     sync, asyn = runs["sync"], runs["async"]
