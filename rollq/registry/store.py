@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import stat
@@ -246,29 +245,10 @@ class WeightStore:
                  listing=weight_files) -> tuple[Path, list[FileDigest]]:
         """The files `listing` names (an adapter: `adapter_files`, nothing else of the directory).
 
-        Weight files pass through memory once: each is read into a buffer, then written while
-        another thread hashes the buffer (one read of the source, none of the copy)."""
+        Copied by `copyfileobj`, then hashed from the page cache: one pass copying while hashing
+        (each chunk written while another thread hashes it) measured no faster here, and up to
+        5x slower under load (docs/benchmarks.md)."""
         files = listing(source)
-
-        def fill_weights(tmp: Path) -> list[FileDigest]:
-            digests, buffer = [], None
-            for f in files:  # opened without following links: the name may have changed since
-                with os.fdopen(open_regular(f), "rb", buffering=0) as src:
-                    size = os.fstat(src.fileno()).st_size
-                    if buffer is None or len(buffer) < size:
-                        buffer = mmap.mmap(-1, max(size, 1))
-                    view = memoryview(buffer)[:size]
-                    read = 0
-                    while read < size and (n := src.readinto(view[read:])):
-                        read += n
-                    if read != size or src.read(1):
-                        raise WeightError(f"{f.name}: changed size while it was copied")
-                    digests.append(_write_hashed(tmp / f.name, view))
-                    view.release()
-            return digests
-
-        if listing is weight_files:
-            return self._write(policy, version, fill_weights, listing)
 
         def fill(tmp: Path) -> None:
             for f in files:  # opened without following links: the name may have changed since
