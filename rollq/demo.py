@@ -61,6 +61,12 @@ running sequence at each step's swap and prefills it again; adapter versions do 
 example trains every weight. docs/benchmarks.md compares the two."""
 
 
+MAX_NUM_SEQS = 264
+"""Two async batches of 16 groups x 8 samples fill 256 sequence slots; a keep swap's probe token
+runs beside the kept sequences and waits for a free slot, with the worker's gate closed
+meanwhile (docs/architecture.md, "What `keep` means"), so 8 spare slots let it run at once."""
+
+
 class DemoClient:
     """The example's client, with what the demo measures: each publish's duration, and the
     worker's swap mode added to every job's accepted modes (a job lists what it may cross)."""
@@ -158,7 +164,7 @@ def gateway_process(redis_url: str, port: int, log_path: Path):
 def worker_process(redis_url: str, policy: str, model: Path, log_path: Path, cpu: str):
     args = [sys.executable, "-m", "rollq", "worker", "--redis-url", redis_url, "--policy", policy,
             "--engine", "vllm", "--model", str(model), "--dtype", "float32",
-            "--max-model-len", "256", "--max-num-seqs", "256", "--enforce-eager",
+            "--max-model-len", "256", "--max-num-seqs", str(MAX_NUM_SEQS), "--enforce-eager",
             "--swap-mode", SWAP_MODE, "--poll-s", "0.05", "--lease-s", "10"]
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": cpu, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log_path, "w") as log:
