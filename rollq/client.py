@@ -552,7 +552,7 @@ class RolloutClient:
         write (the buffer to disk while it is hashed in memory), fsync and registration then run
         in the background, so the training loop is not held up by them. The client keeps up to
         two staging buffers of the checkpoint's size for its next publishes (a fresh one costs
-        its page faults, ~3x the copy). Publishes register in the order they were made, waited
+        its page faults, 5-10x the copy here). Publishes register in the order they were made, waited
         for or not; one that fails (its task raises, and the failure is logged even if nobody
         awaits the task) does not stop the next.
 
@@ -581,7 +581,7 @@ class RolloutClient:
                     return None
             # The one copy the trainer waits for: its tensors into a staging buffer, laid out
             # as the file; from here its optimizer may change them in place.
-            source = await asyncio.to_thread(self._staging.pack, named_tensors(source))
+            source = await asyncio.to_thread(self._pack, source)
         task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy,
                                                          keep, adapter_on))
         self._publishing = task
@@ -589,6 +589,9 @@ class RolloutClient:
             return await task
         task.add_done_callback(_log_failed_publish)
         return task
+
+    def _pack(self, source: Any):
+        return self._staging.pack(named_tensors(source))  # (a PEFT model is merged first)
 
     async def _check_adapter_base(self, version: int, base: Any, source: Any) -> None:
         if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < version:

@@ -4,7 +4,7 @@
 into the file's layout) and returns to the trainer; the store then writes the image to disk and
 hashes the same bytes in memory at once (`WeightStore.write_image`), so nothing is read back.
 The images live in staging buffers the client keeps and reuses (`Staging`): a fresh buffer costs
-its page faults (~3x the copy on this VM), a reused one only the copy, so from the second publish
+its page faults (5-10x the copy on this VM), a reused one only the copy, so from the second publish
 on the trainer is held for ~one memcpy of the checkpoint.
 """
 
