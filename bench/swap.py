@@ -11,7 +11,8 @@ result marks the moment the worker serves it. Phases:
 - store: `publish_weights` copying the files into the store, fsyncing and hashing them (trainer);
   by reference: hashing them in place; `state_dict, wait=False`: writing the trainer's tensors
   (held in memory) into the store in the background, after `trainer stall`, the time the call
-  held the trainer (copying its tensors).
+  held the trainer (copying its tensors into the client's staging buffer; the first publish of
+  a client also allocates that buffer, reported apart).
 - verify: the worker re-reading and hashing the files, checking headers and shapes.
 - drain, pause, load, resume: the worker's swap (`rollq_worker_swap_phase_seconds`).
 
@@ -20,7 +21,9 @@ the same checkpoint as version 0, and this process publishes rank-16 LoRA adapte
 models, q/k/v/o projections, as a trainer holds them) as versions 1, 2, ... with
 `adapter_on=0`, each followed by the same probe group: publish -> serving is the adapter's store
 (its two files, fsynced and hashed), the worker's copy, checks and `add_lora`, and the probe's
-one token under the adapter. No swap: the full weights never change.
+one token under the adapter. No swap: the full weights never change. That token is a CPU
+forward pass of the whole model with LoRA (~60-110 ms here): `publish -> generating` (end to
+end less the probe group's generation time, as the worker measured it) is rollq's own part.
 
 The raw read is the same files read once, sequentially, just before each publish: warm (from
 the page cache, as the swap finds them) and cold (page cache dropped first: storage bandwidth;
@@ -127,7 +130,9 @@ def summary(runs: list[dict], size: int) -> dict:
     warm = statistics.median(r["raw_warm_s"] for r in runs)
     colds = [r["raw_cold_s"] for r in runs if r["raw_cold_s"] is not None]
     cold = statistics.median(colds) if colds else None
+    stalls = [r["phases"]["trainer stall"] for r in runs if "trainer stall" in r["phases"]]
     return {"total_s": total, "gb_per_s": size / total / 1e9,
+            "stall_first_s": stalls[0] if stalls else None,
             "phases_s": {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]},
             "raw_warm_s": warm, "raw_cold_s": cold, "ratio_vs_warm": warm / total,
             "ratio_vs_cold": cold / total if cold else None, "runs": runs}
@@ -174,7 +179,7 @@ async def adapter_once(client: RolloutClient, version: int, adapter) -> dict:
     print(f"adapter version {version}: {total_s * 1000:.1f} ms end to end, store "
           f"{stored * 1000:.1f} ms, probe generation {probe.generation_s * 1000:.1f} ms", flush=True)
     return {"total_s": total_s, "store_s": stored, "generation_s": probe.generation_s,
-            "bytes": sum(d.bytes for d in entry.files)}
+            "ready_s": total_s - probe.generation_s, "bytes": sum(d.bytes for d in entry.files)}
 
 
 async def adapter_runs(redis_url: str, tmp: Path, base: Path, repeats: int) -> dict:
@@ -192,10 +197,12 @@ async def adapter_runs(redis_url: str, tmp: Path, base: Path, repeats: int) -> d
     return {"rank": ADAPTER_RANK, "bytes": runs[0]["bytes"], "repeats": repeats,
             "total_s": statistics.median(r["total_s"] for r in runs),
             "store_s": statistics.median(r["store_s"] for r in runs),
-            "generation_s": statistics.median(r["generation_s"] for r in runs), "runs": runs}
+            "generation_s": statistics.median(r["generation_s"] for r in runs),
+            "ready_s": statistics.median(r["ready_s"] for r in runs), "runs": runs}
 
 
 async def main(repeats: int, adapter_repeats: int) -> dict:
+    load_before = os.getloadavg()
     modes: dict[str, list[dict]] = {"copy": [], "by reference": [], MEMORY: []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -219,7 +226,8 @@ async def main(repeats: int, adapter_repeats: int) -> dict:
         finally:
             redis.stop()
     return {"bytes": size, "repeats": repeats, "model": MODEL,
-            "modes": {mode: summary(runs, size) for mode, runs in modes.items()}, "adapter": adapter}
+            "modes": {mode: summary(runs, size) for mode, runs in modes.items()}, "adapter": adapter,
+            "load": [load_before[0], os.getloadavg()[0]]}
 
 
 def report(r: dict) -> None:
@@ -232,7 +240,9 @@ def report(r: dict) -> None:
     a = r["adapter"]
     print(f"adapter (rank {a['rank']}, {a['bytes'] / 1e6:.1f} MB): publish -> serving "
           f"{a['total_s'] * 1000:.1f} ms (store {a['store_s'] * 1000:.1f} ms, probe generation "
-          f"{a['generation_s'] * 1000:.1f} ms), median of {a['repeats']}")
+          f"{a['generation_s'] * 1000:.1f} ms, publish -> generating {a['ready_s'] * 1000:.1f} ms), "
+          f"median of {a['repeats']}")
+    print(f"load average: {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end")
 
 
 if __name__ == "__main__":

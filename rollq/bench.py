@@ -120,8 +120,11 @@ def _swap(r: dict) -> list[str]:
                     f"**{cold}** (cold) (target >= 0.5: {_met(best >= 0.5)}).")
         if "trainer stall" in m["phases_s"]:
             stall = m["phases_s"]["trainer stall"]
-            rows.append(f"- {mode}: the trainer is held **{stall:.3f} s** per publish "
-                        f"(target <= 0.1: {_met(stall <= 0.1)}).")
+            first = m.get("stall_first_s")
+            first = f"; the client's first publish, which allocates its staging buffer, {first:.3f} s" \
+                if first is not None else ""
+            rows.append(f"- {mode}: the trainer is held **{stall:.3f} s** per publish, median"
+                        f"{first} (target <= 0.1: {_met(stall <= 0.1)}).")
     a = r.get("adapter")
     if a:
         ms = a["total_s"] * 1000
@@ -129,6 +132,14 @@ def _swap(r: dict) -> list[str]:
                     f"same base): publish -> serving **{ms:.1f} ms**, median of {a['repeats']} "
                     f"(store {a['store_s'] * 1000:.1f} ms{_probe_ms(a)}) "
                     f"(target <= 50 ms: {_met(ms <= 50)}).")
+        if "ready_s" in a:
+            ready = a["ready_s"] * 1000
+            rows.append(f"- adapter version, less the probe's own token (a CPU forward pass of the "
+                        f"model under LoRA): publish -> the worker generating under it **{ready:.1f} "
+                        f"ms** (target <= 50 ms: {_met(ready <= 50)}).")
+    if r.get("load"):
+        rows.append(f"- load average (1 min) {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} "
+                    "at the end (2 cores; other sessions' runs share them).")
     return rows
 
 

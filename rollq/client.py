@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import threading
@@ -53,10 +54,13 @@ from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
 from rollq.registry.adapters import is_adapter_dir
 from rollq.registry.commit import commit_version
-from rollq.registry.sources import adapter_of, gathered, is_sharded, tensors_of
+from rollq.registry.sources import adapter_of, gathered, is_sharded, named_tensors
+from rollq.registry.staging import Staging
 from rollq.registry.store import WeightStore, adapter_files, digest_dir
 from rollq.registry.versions import Registry
 
+
+log = logging.getLogger("rollq.client")
 
 Prompt = Sequence[int] | str
 """Token ids, or text for workers whose model directory has a tokenizer."""
@@ -88,6 +92,12 @@ def _check_ack(ack: str) -> None:
 
 async def _result_of(task: asyncio.Task):
     return await task
+
+
+def _log_failed_publish(task: asyncio.Task) -> None:
+    """A background publish that failed is logged even if its caller never awaits its task."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("publish_weights (wait=False) failed: %s: %s", type(error).__name__, error)
 
 
 async def _now(func, *args):
@@ -182,6 +192,8 @@ class RolloutClient:
         self._reader = ResultReader(self.redis, self.scripts, self.keys, trainer_id, trainer_id)
         self._publishing: asyncio.Task | None = None
         """The last publish started: the next one registers after it (versions in order)."""
+        self._staging = Staging()
+        """Host buffers a published state_dict is copied into, kept for the next publishes."""
         self._auto_unacked: list[str] = []
         """Handed out by reads with ack="auto": acknowledged by this client's next read."""
 
@@ -535,11 +547,14 @@ class RolloutClient:
 
         Returns the `VersionEntry`; with `wait=False`, an `asyncio.Task` of it, as soon as the
         weights are safe from the trainer's next optimizer step: a state_dict or model is copied
-        into host memory (its size again, until written); a directory is read later, so it must
-        stay unchanged until the task is done. The
-        store write, hashing and registration then run in the background, so the training loop
-        is not held up by them. Publishes register in the order they were made, waited for or
-        not; one that fails (its task raises) does not stop the next.
+        (one memcpy per tensor) into a host staging buffer laid out as the safetensors file; a
+        directory is read later, so it must stay unchanged until the task is done. The store
+        write (the buffer to disk while it is hashed in memory), fsync and registration then run
+        in the background, so the training loop is not held up by them. The client keeps up to
+        two staging buffers of the checkpoint's size for its next publishes (a fresh one costs
+        its page faults, 5-10x the copy here). Publishes register in the order they were made, waited
+        for or not; one that fails (its task raises, and the failure is logged even if nobody
+        awaits the task) does not stop the next.
 
         Sharded models (FSDP2 / DTensor parameters): call it on every rank, like any collective;
         the full tensors are gathered to rank 0, which publishes, and the other ranks return None.
@@ -559,16 +574,24 @@ class RolloutClient:
         elif isinstance(source, (str, os.PathLike)) and is_adapter_dir(Path(source)):
             raise InvalidInput("adapter_on", f"{source} is a LoRA adapter: publish it with "
                                              "adapter_on=<the full version it applies on>")
-        elif not isinstance(source, (str, os.PathLike)) and is_sharded(source):
-            source = await asyncio.to_thread(gathered, source)  # a collective: every rank
-            if source is None:  # not rank 0: rank 0 publishes
-                return None
-        elif not wait and not isinstance(source, (str, os.PathLike)):
-            source = await asyncio.to_thread(tensors_of, source, own=True)
+        elif not isinstance(source, (str, os.PathLike)):
+            if is_sharded(source):
+                source = await asyncio.to_thread(gathered, source)  # a collective: every rank
+                if source is None:  # not rank 0: rank 0 publishes
+                    return None
+            # The one copy the trainer waits for: its tensors into a staging buffer, laid out
+            # as the file; from here its optimizer may change them in place.
+            source = await asyncio.to_thread(self._pack, source)
         task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy,
                                                          keep, adapter_on))
         self._publishing = task
-        return await task if wait else task
+        if wait:
+            return await task
+        task.add_done_callback(_log_failed_publish)
+        return task
+
+    def _pack(self, source: Any):
+        return self._staging.pack(named_tensors(source))  # (a PEFT model is merged first)
 
     async def _check_adapter_base(self, version: int, base: Any, source: Any) -> None:
         if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < version:
@@ -607,7 +630,10 @@ class RolloutClient:
             if not copy:
                 return source, digest_dir(source), False
             return *store.copy_dir(policy, version, source), True
-        return *store.write_tensors(policy, version, tensors_of(source)), True
+        try:  # a packed checkpoint (staging.Image)
+            return *store.write_image(policy, version, source), True
+        finally:
+            self._staging.give(source.buffer)
 
     def _write_adapter(self, store: WeightStore, version: int, source: Any):
         if isinstance(source, tuple):  # (tensors, config) of a PEFT model, copied already

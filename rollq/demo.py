@@ -13,6 +13,7 @@ import dataclasses
 import json
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,6 +49,62 @@ class DemoSettings:
     """The dashboard's port (a free one if it is taken); 0: no gateway."""
     hold: bool = False
     """Keep the gateway (and Redis) up after the runs, until Ctrl-C."""
+
+
+SWAP_MODE = "keep"
+"""The workers' swap mode. `keep` (in-flight updates, as PipelineRL): a swap freezes the running
+sequences with their KV cache, loads, and resumes them; no abort, no prefill again. Each token's
+logprob is still that of the distribution that sampled it (the new weights on a context the
+old ones encoded), which is what the example's importance ratio needs, and its version label is
+exact, so the staleness bound holds as before. `interrupt` (the demo's mode before) cuts every
+running sequence at each step's swap and prefills it again; adapter versions do not apply: the
+example trains every weight. docs/benchmarks.md compares the two."""
+
+
+MAX_NUM_SEQS = 264
+"""Two async batches of 16 groups x 8 samples fill 256 sequence slots; a keep swap's probe token
+runs beside the kept sequences and waits for a free slot, with the worker's gate closed
+meanwhile (docs/architecture.md, "What `keep` means"), so 8 spare slots let it run at once."""
+
+
+class DemoClient:
+    """The example's client, with what the demo measures: each publish's duration, and the
+    worker's swap mode added to every job's accepted modes (a job lists what it may cross)."""
+
+    def __init__(self, client, swap_mode: str):
+        self._client = client
+        self.swap_mode = swap_mode
+        self.publish_s: list[float] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    async def submit(self, prompts, n: int = 1, sampling=None, **kwargs):
+        sampling = dict(sampling or {}) | {"swap_modes": ["drain", self.swap_mode]}
+        return await self._client.submit(prompts, n, sampling, **kwargs)
+
+    async def publish_weights(self, *args, **kwargs):
+        began = time.monotonic()
+        try:
+            return await self._client.publish_weights(*args, **kwargs)
+        finally:
+            self.publish_s.append(time.monotonic() - began)
+
+
+SWAP_LINE = re.compile(r"now serving version \d+ \(\w+ swap, ([\d.]+) s: ([^)]*)\)")
+PHASE = re.compile(r"(\w+) ([\d.]+) s")
+
+
+def swap_phases(log: Path) -> dict[str, float]:
+    """Seconds per swap phase over a run, summed, from the worker's log ("now serving ...";
+    the log's lines may be wrapped, so whitespace runs count as one space)."""
+    total: Counter = Counter()
+    for match in SWAP_LINE.finditer(re.sub(r"\s+", " ", log.read_text(errors="replace"))):
+        total["swaps"] += 1
+        total["total"] += float(match[1])
+        for name, seconds in PHASE.findall(match[2]):
+            total[name] += float(seconds)
+    return dict(total)
 
 
 def load_example():
@@ -107,8 +164,8 @@ def gateway_process(redis_url: str, port: int, log_path: Path):
 def worker_process(redis_url: str, policy: str, model: Path, log_path: Path, cpu: str):
     args = [sys.executable, "-m", "rollq", "worker", "--redis-url", redis_url, "--policy", policy,
             "--engine", "vllm", "--model", str(model), "--dtype", "float32",
-            "--max-model-len", "256", "--max-num-seqs", "256", "--enforce-eager",
-            "--swap-mode", "interrupt", "--poll-s", "0.05", "--lease-s", "10"]
+            "--max-model-len", "256", "--max-num-seqs", str(MAX_NUM_SEQS), "--enforce-eager",
+            "--swap-mode", SWAP_MODE, "--poll-s", "0.05", "--lease-s", "10"]
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": cpu, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log_path, "w") as log:
         # The worker and its engine processes on one core, the trainer on the other.
@@ -160,13 +217,18 @@ async def run_mode(example, mode: str, s: DemoSettings, redis_url: str, model: P
 
         async with RolloutClient(redis_url, policy=policy, trainer_id=mode,
                                  weight_store=str(s.out_dir / "weights")) as client:
+            timed = DemoClient(client, SWAP_MODE)
             before = cpu_times()
-            stats = await example.train(client, trainer, steps=s.steps, groups=s.groups, n=s.n,
+            stats = await example.train(timed, trainer, steps=s.steps, groups=s.groups, n=s.n,
                                         staleness=staleness, on_step=on_step)
             CPU_BUSY[mode] = busy_percent(before, cpu_times())
-            return stats
+    # The worker has stopped: its log holds every swap's line.
+    TIMES[mode] = {"publish": sum(timed.publish_s), "swap": swap_phases(log)}
+    return stats
 
 
+TIMES: dict[str, dict] = {}
+"""Per run: seconds the trainer spent publishing, and the worker's swaps by phase (summed)."""
 CPU_BUSY: dict[str, list[float]] = {}
 """Per run: how busy each core was (%), from /proc/stat: where the time went."""
 
@@ -221,6 +283,14 @@ def speedup(sync, asyn) -> tuple[float | None, float]:
     return reached_async / reached_sync, target
 
 
+def generation_rates(sync, asyn) -> dict[str, float]:
+    """The synchronous run generates only while its trainer waits (its rollout-time rate); the
+    asynchronous run's engine never waits for the trainer, so its rate is over its wall time."""
+    rate_sync = sum(st.tokens for st in sync) / max(1e-9, sum(st.wait_s for st in sync))
+    rate_async = sum(st.tokens for st in asyn) / asyn[-1].wall_s
+    return {"sync": rate_sync, "async": rate_async, "ratio": rate_async / rate_sync}
+
+
 def report(runs: dict, s: DemoSettings) -> float | None:
     table = Table(title="rollq demo: GRPO on the 'even tokens' task")
     for col in ("run", "reward", "wall", "waiting", "training", "tok/s"):
@@ -239,7 +309,19 @@ def report(runs: dict, s: DemoSettings) -> float | None:
         console.print(f"{mode} cores busy: " + ", ".join(
             f"core {i} ({'worker' if i == 0 else 'trainer' if i == 1 else 'other'}) {b:.0f} %"
             for i, b in enumerate(busy)))
+    for mode, times in TIMES.items():
+        swap = times["swap"]
+        phases = ", ".join(f"{k} {swap[k]:.1f} s" for k in ("drain", "pause", "load", "resume")
+                           if k in swap)
+        console.print(f"{mode} time: publish {times['publish']:.1f} s (trainer), "
+                      f"{swap.get('swaps', 0):.0f} swaps {swap.get('total', 0.0):.1f} s ({phases}; "
+                      f"before them, verify {swap.get('verify', 0.0):.1f} s while serving) (worker), "
+                      f"waiting {sum(x.wait_s for x in runs[mode]):.1f} s, "
+                      f"training {sum(x.train_s for x in runs[mode]):.1f} s")
     sync, asyn = runs["sync"], runs["async"]
+    rates = generation_rates(sync, asyn)
+    console.print(f"generation: sync {rates['sync']:.0f} tokens/s while the trainer waited, async "
+                  f"{rates['async']:.0f} tokens/s over its wall time: [bold]{rates['ratio']:.2f}x[/bold]")
     console.print(f"wall time of {s.steps} steps, async / sync: "
                   f"[bold]{asyn[-1].wall_s / sync[-1].wall_s:.2f}x[/bold]")
     ratio, target = speedup(sync, asyn)
@@ -306,4 +388,7 @@ async def demo(s: DemoSettings) -> float | None:
         {mode: [dataclasses.asdict(st) | {"staleness": dict(st.staleness)} for st in stats]
          for mode, stats in runs.items()}, indent=1))
     (s.out_dir / "cpu_busy.json").write_text(json.dumps(CPU_BUSY))
+    (s.out_dir / "times.json").write_text(json.dumps(
+        TIMES | {"generation": generation_rates(runs["sync"], runs["async"]), "swap_mode": SWAP_MODE},
+        indent=1))
     return ratio

@@ -282,19 +282,31 @@ async def test_versions_registered_with_sha256_still_verify(make_publisher, weig
         verify(entry.path, [FileDigest(f.name, old.digest, old.bytes, "md5")])
 
 
-async def test_a_publish_not_waited_for_keeps_the_weights_it_was_given_and_the_order(make_publisher):
+async def test_a_publish_not_waited_for_keeps_the_weights_it_was_given_and_the_order(make_publisher,
+                                                                                     monkeypatch):
     """`wait=False` returns before the store write: the weights must already be the client's own
     copy (the trainer's next step changes its tensors in place), and versions must still
     register in the order they were published, a failed one not stopping the next."""
+    import threading
+
     from safetensors.torch import load_file
 
     client = make_publisher()
-    big = {"w": torch.zeros(1024, 1024)}  # 4 MB: written after the small one would be, unchained
+    held, write_image = threading.Event(), WeightStore.write_image
+
+    def held_write(self, policy, version, image):  # the first write waits until released
+        if version == 1 and not held.is_set():
+            assert held.wait(30)
+        return write_image(self, policy, version, image)
+
+    monkeypatch.setattr(WeightStore, "write_image", held_write)
+    big = {"w": torch.zeros(1024, 1024)}
     first = await client.publish_weights(1, big, wait=False)
     big["w"] += 1  # the optimizer step that follows the publish call
     clash = await client.publish_weights(1, {"w": torch.ones(2)}, wait=False)
     second = await client.publish_weights(2, {"w": torch.full((2,), 2.0)}, wait=False)
-    assert not first.done()
+    assert not first.done()  # its store write is held: the calls returned before it
+    held.set()
     entry = await first
     assert load_file(str(Path(entry.path) / "model.safetensors"))["w"].eq(0).all()
     with pytest.raises(VersionConflict):

@@ -74,6 +74,19 @@ def tensors_of(source: Any, *, own: bool = False) -> dict[str, Any]:
                     "a state_dict or a model")
 
 
+def named_tensors(source: Any) -> dict[str, Any]:
+    """A state_dict, HF model or PEFT model -> {name: tensor} as published, nothing copied (a
+    PEFT model's merged copy aside): for `staging.Staging.pack`, which copies every byte once."""
+    if isinstance(source, dict):
+        return clean_peft_names(source)
+    if _is_peft(source):
+        return clean_peft_names(_merged_copy(source))
+    if hasattr(source, "state_dict"):
+        return dict(source.state_dict())
+    raise TypeError(f"cannot publish a {type(source).__name__}: give a directory of safetensors, "
+                    "a state_dict or a model")
+
+
 def is_sharded(source: Any) -> bool:
     """Whether `source` (a model or state_dict) holds DTensors, as FSDP2 and tensor-parallel
     models do: every rank holds a piece of each tensor."""
