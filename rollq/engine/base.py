@@ -41,6 +41,11 @@ class Engine(Protocol):
         """False once the engine can serve no more (checked before claiming work)."""
         ...
 
+    def continues_exactly(self, item: WorkItem) -> bool:
+        """May a sample of `item` cut mid-generation (an `interrupt` swap) be continued from its
+        prompt + tokens so far, drawing each later token as the uncut request would have?"""
+        ...
+
     async def generate_group(self, item: WorkItem) -> Generated:
         """All `item.n` samples of one prompt group, from one engine request.
 

@@ -35,6 +35,9 @@ class InstantEngine:
     def alive(self) -> bool:
         return True
 
+    def continues_exactly(self, item: WorkItem) -> bool:
+        return True  # its tokens are a function of the prompt alone, and a swap never cuts them
+
     async def generate_group(self, item: WorkItem) -> Generated:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)

@@ -21,8 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.engine.base import Engine, EngineDead, GroupError
 from rollq.images import ImageLoader
-from rollq.protocol import (MAX_N, GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode,
-                            peek_header)
+from rollq.protocol import GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode, peek_header
 from rollq.queue.connection import unreachable
 from rollq.queue.names import JobState, Reply
 from rollq.queue.work import Claimed, WorkQueue
@@ -32,6 +31,7 @@ from rollq.queue.workers import live_workers, recently_pinned
 from rollq.worker.heartbeat import Heartbeat
 from rollq.worker.resident import ResidentAdapters
 from rollq.worker.stats import WorkerStats
+from rollq.worker.versions import VersionState
 from rollq.worker.windows import Decision, Verdict, decide, in_window
 
 WAIT_SWAP_RECHECK_S = 5.0
@@ -61,8 +61,11 @@ class Worker:
         max_inflight_seqs: int | None = None,
         pinned: bool = False,
         stats: WorkerStats | None = None,
+        versions: VersionState | None = None,
     ):
-        """`stats`: made before the worker, e.g. to serve its /metrics before the engine starts."""
+        """`stats`: made before the worker, e.g. to serve its /metrics before the engine starts.
+        `versions`: the version state its VersionFollower writes (default: a worker that never
+        swaps, e.g. a pinned one)."""
         self.queue = queue
         self.engine = engine
         self.worker_id = queue.consumer
@@ -80,15 +83,8 @@ class Worker:
         self.registry = Registry(queue.redis, queue.keys, queue.scripts)
         self.admission = Admission()
         self.stats = stats or WorkerStats(queue.keys.policy)
-        self.newest: int | None = None
-        """The newest registered version, as last seen."""
-        self.cannot_load: set[int] = set()
-        """Versions refused (checksum, header, load error): never retried."""
-        self.adapters: ResidentAdapters | None = None
-        """Adapter versions served beside the loaded one (set by the VersionFollower of an
-        engine with adapter support)."""
-        self.state = "serving"
-        self.last_error = ""
+        self.versions = versions or VersionState(self.registry)
+        self._redis_error, self._redis_error_at = "", 0.0
         self._peers: tuple[float, set[int]] = (0.0, set())
         self._held: dict[tuple[str, str], _Held] = {}
         self._engine_slots = asyncio.Semaphore(max_inflight)
@@ -102,6 +98,35 @@ class Worker:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    # Read-only views for the heartbeat, logs and tests; `versions` is written by its owner.
+    @property
+    def newest(self) -> int | None:
+        return self.versions.newest
+
+    @property
+    def cannot_load(self) -> set[int]:
+        return self.versions.cannot_load
+
+    @property
+    def adapters(self) -> ResidentAdapters | None:
+        return self.versions.adapters
+
+    @property
+    def state(self) -> str:
+        return "stopping" if self._stopping.is_set() else self.versions.swap
+
+    @property
+    def last_error(self) -> str:
+        """The newer of this worker's last Redis error and its last version error."""
+        v = self.versions
+        return v.last_error if v.error_at >= self._redis_error_at else self._redis_error
+
+    @last_error.setter
+    def last_error(self, reason: str) -> None:
+        # Kept for ResidentAdapters, which reports a refused adapter here (and adds it to
+        # `cannot_load`); `versions.refuse(version, reason)` says both in one call.
+        self.versions.failed(reason)
 
     def stop(self) -> None:
         """First call: stop claiming and shut down in stages. Second call: skip the grace period."""
@@ -122,7 +147,6 @@ class Worker:
             with contextlib.suppress(RedisError):  # Redis may be down: the renew loop beats again
                 await self._beat()
             await self._feed_loop()
-            self.state = "stopping"
             await self._drain()
         finally:
             # Also on cancellation: nothing held may stay pending for a full lease.
@@ -156,7 +180,7 @@ class Worker:
                     break
                 delay = 0.1
             except (RedisConnectionError, RedisTimeoutError) as e:
-                self.last_error = f"redis unreachable: {e}"
+                self._redis_error, self._redis_error_at = f"redis unreachable: {e}", time.monotonic()
                 log.warning("redis unreachable (%s); claiming again in %.1f s", e, delay)
                 await _first(self._stopping.wait(), timeout=delay * (0.5 + random.random()))
                 delay = min(delay * 2, 5.0)
@@ -216,21 +240,22 @@ class Worker:
         claimed = [c for c in claimed if c.key not in self._held]
         if not claimed:
             return
-        for c in claimed:
-            header = peek_header(c.data) if c.data else None
-            if header is not None and 1 <= header.n <= MAX_N:
-                c.n = self._typical_n = header.n
+        # Decoded once here: the group's n sizes the claims, the item is what is served.
+        items = [_decode(c) for c in claimed]
+        for c, item in zip(claimed, items):
+            if isinstance(item, WorkItem):
+                c.n = self._typical_n = item.n
         states = await self.queue.job_states(claimed)
-        for c in claimed:
-            task = asyncio.create_task(self._run_group(c, states.get(c.key)))
+        for c, item in zip(claimed, items):
+            task = asyncio.create_task(self._run_group(c, item, states.get(c.key)))
             self._held[c.key] = _Held(c, task)
 
     # --- one group ---------------------------------------------------------------------------
 
-    async def _run_group(self, c: Claimed, job_state: JobState | None) -> None:
+    async def _run_group(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> None:
         engine_died = False
         try:
-            await self._serve(c, job_state)
+            await self._serve(c, item, job_state)
         except EngineDead as e:
             # Stays held: shutdown hands it back, counted as a delivery, with the error.
             engine_died = True
@@ -255,20 +280,17 @@ class Worker:
                 del self._held[c.key]
             self._slot_freed.set()
 
-    async def _serve(self, c: Claimed, job_state: JobState | None) -> None:
+    async def _serve(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> None:
+        """`item`: the decoded payload, or why it could not be decoded."""
         if c.deliveries > self.max_deliveries:
             why = c.last_error or "its lease lapsed each time (worker died or stalled)"
             return await self._fail(c, f"gave up after {c.deliveries - 1} deliveries; last error: {why}",
                                     dead=True)
-        if c.data is None:
-            return await self._fail(c, "work entry has no payload field 'd'", dead=True)
-        try:
-            item = decode_item(c.data)
-        except InvalidInput as e:
-            header = peek_header(c.data)
+        if isinstance(item, str):
+            header = peek_header(c.data) if c.data is not None else None
             if header is not None and c.job_id is None:
                 c.job_id, c.group_index = header.job_id, header.group_index
-            return await self._fail(c, str(e), dead=True)
+            return await self._fail(c, item, dead=True)
         c.job_id, c.group_index = item.job_id, item.group_index
         if job_state is JobState.CANCELLED:
             return await self._finish(c, _cancelled(c, self.worker_id, prompt=item.prompt))
@@ -295,7 +317,7 @@ class Worker:
                         if verdict.decision is Decision.SERVE:
                             started = time.time()
                             generated = await (self.engine.generate_group(item) if verdict.version is None
-                                               else self.adapters.generate(item, verdict.version))
+                                               else self.versions.adapters.generate(item, verdict.version))
                             break
                     if verdict.decision is Decision.WAIT_SWAP:
                         await self.admission.changed(WAIT_SWAP_RECHECK_S)
@@ -318,18 +340,19 @@ class Worker:
                            generation_s=time.time() - started, finished_at=time.time(), **partial)
 
     async def _decide(self, item: WorkItem) -> Verdict:
-        newest = self.newest
+        versions = self.versions
+        newest = versions.newest
         if item.max_staleness is not None:  # "newest" must be exact when staleness is bounded
-            newest = self.newest = await self.registry.latest()
-        if self.adapters is not None:  # an adapter version in the window is newer than `loaded`
-            verdict = await self.adapters.decide(item, newest)
+            newest = await versions.read_newest()
+        if versions.adapters is not None:  # an adapter version in the window is newer than `loaded`
+            verdict = await versions.adapters.decide(item, newest)
             if verdict is not None:
                 return verdict
         loaded = self.engine.version
         if in_window(item, loaded, loaded if newest is None else max(newest, loaded)):
             return Verdict(Decision.SERVE)
         return decide(item, loaded=loaded, pinned=self.pinned, newest=newest,
-                      pinned_elsewhere=await self._pinned_peers(), cannot_load=self.cannot_load,
+                      pinned_elsewhere=await self._pinned_peers(), cannot_load=versions.cannot_load,
                       target=self.heartbeat.target)
 
     async def _pinned_peers(self) -> set[int]:
@@ -444,6 +467,16 @@ class Worker:
         except RedisError as e:
             log.warning("could not hand back %d groups (%s); their leases will lapse", len(items), e)
             return 0
+
+
+def _decode(c: Claimed) -> WorkItem | str:
+    """The entry's work item, or why it has none (its group is dead-lettered with that)."""
+    if c.data is None:
+        return "work entry has no payload field 'd'"
+    try:
+        return decode_item(c.data)
+    except InvalidInput as e:
+        return str(e)
 
 
 def _cancelled(c: Claimed, worker_id: str, prompt: bytes = b"") -> GroupResult:
