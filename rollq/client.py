@@ -46,6 +46,7 @@ from rollq.protocol import (
 )
 from rollq import images as imaging
 from rollq.queue import jobs
+from rollq.config import default_weight_store
 from rollq.queue.connection import DEFAULT_URL, connect
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
@@ -177,8 +178,7 @@ class RolloutClient:
         self._owns_redis = redis is None
         self.scripts = Scripts(self.redis)
         self.registry = Registry(self.redis, self.keys, self.scripts)
-        self.weight_store = weight_store or os.environ.get(
-            "ROLLQ_WEIGHT_STORE", str(Path.home() / ".cache" / "rollq" / "weights"))
+        self.weight_store = weight_store or default_weight_store()
         self._reader = ResultReader(self.redis, self.scripts, self.keys, trainer_id, trainer_id)
         self._publishing: asyncio.Task | None = None
         """The last publish started: the next one registers after it (versions in order)."""
