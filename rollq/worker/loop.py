@@ -39,6 +39,7 @@ WAIT_SWAP_RECHECK_S = 5.0
 PEERS_CACHE_S = 2.0
 
 log = logging.getLogger("rollq.worker")
+_SERVE = Verdict(Decision.SERVE)
 
 
 @dataclass
@@ -276,7 +277,7 @@ class Worker:
             # Also when cancelled (a lost lease, a cancelled job): a slot that is never given
             # back leaves a full worker waiting to claim forever.
             held = self._held.get(c.key)
-            if not engine_died and held is not None and held.task is asyncio.current_task():
+            if not engine_died and held is not None and held.claimed is c:  # not a later claim's
                 del self._held[c.key]
             self._slot_freed.set()
 
@@ -313,7 +314,7 @@ class Worker:
             async with asyncio.timeout(deadline) if deadline is not None else contextlib.nullcontext():
                 while True:
                     async with self._engine_slots, self.admission.generation(key, item):
-                        verdict = await self._decide(item)
+                        verdict = self._serve_loaded(item) or await self._decide(item)
                         if verdict.decision is Decision.SERVE:
                             started = time.time()
                             generated = await (self.engine.generate_group(item) if verdict.version is None
@@ -338,6 +339,17 @@ class Worker:
                            image_tokens=generated.image_tokens,
                            queued_s=max(0.0, started - item.submitted_at),
                            generation_s=time.time() - started, finished_at=time.time(), **partial)
+
+    def _serve_loaded(self, item: WorkItem) -> Verdict | None:
+        """SERVE when the loaded version is in the window and nothing needs reading to know it
+        (most groups: no coroutine for them); None: ask `_decide`."""
+        versions = self.versions
+        if item.max_staleness is not None or versions.adapters is not None:
+            return None
+        loaded, newest = self.engine.version, versions.newest
+        if in_window(item, loaded, loaded if newest is None else max(newest, loaded)):
+            return _SERVE
+        return None
 
     async def _decide(self, item: WorkItem) -> Verdict:
         versions = self.versions
