@@ -226,6 +226,9 @@ class VLLMEngine:
     def alive(self) -> bool:
         return self.llm is not None and not self.llm.errored and not self._dead
 
+    at_once = False
+    """Groups take the engine's steps: each is served by a task of its own."""
+
     @staticmethod
     def continues_exactly(item: WorkItem) -> bool:
         """Not when continuing from "prompt + tokens so far" changes the sampling: a regex

@@ -24,6 +24,10 @@ class Admission:
             self._changed.set()
             self._changed = asyncio.Event()
 
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
     def generation(self, key: tuple[str, str], item: WorkItem) -> _Inside:
         """`async with`: enter when the gate is open; a swap waits for the groups inside that it
         must drain."""

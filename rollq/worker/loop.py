@@ -247,9 +247,29 @@ class Worker:
             if isinstance(item, WorkItem):
                 c.n = self._typical_n = item.n
         states = await self.queue.job_states(claimed)
+        at_once, engine_at_once = [], self.engine.at_once
         for c, item in zip(claimed, items):
-            task = asyncio.create_task(self._run_group(c, item, states.get(c.key)))
+            state = states.get(c.key)
+            if engine_at_once and self._at_once(c, item, state):
+                at_once.append((c, item))
+                continue
+            task = asyncio.create_task(self._run_group(c, item, state))
             self._held[c.key] = _Held(c, task)
+        if at_once:
+            task = asyncio.create_task(self._run_batch(at_once))
+            for c, _ in at_once:
+                self._held[c.key] = _Held(c, task)
+
+    def _at_once(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> bool:
+        """May this group be served in one task with others of its claim? When the engine
+        answers at once (`Engine.at_once`: it never suspends) and nothing before it may wait:
+        the gate is open, the loaded version serves it, and it is neither to be dead-lettered,
+        cancelled, nor past its deadline. Then a batch of groups is generated within one event
+        loop turn (no swap nor cancellation can come between), and finished with one call."""
+        return (isinstance(item, WorkItem) and self.admission.is_open
+                and c.deliveries <= self.max_deliveries and job_state is not JobState.CANCELLED
+                and (not item.deadline or item.deadline > time.time())
+                and self._serve_loaded(item) is not None)
 
     # --- one group ---------------------------------------------------------------------------
 
@@ -280,6 +300,56 @@ class Worker:
             if not engine_died and held is not None and held.claimed is c:  # not a later claim's
                 del self._held[c.key]
             self._slot_freed.set()
+
+    async def _run_batch(self, batch: list[tuple[Claimed, WorkItem]]) -> None:
+        """Groups `_at_once` chose: generated one after the other (the engine answers at once),
+        then finished together. Each group ends as it would in `_run_group`."""
+        finishing: list[tuple[Claimed, GroupResult, str]] = []
+        handed_back: list[tuple[Claimed, str]] = []
+        engine_died = False
+        try:
+            for c, item in batch:
+                c.job_id, c.group_index = item.job_id, item.group_index
+                try:
+                    finishing.append((c, await self._generate_at_once(item), ""))
+                except EngineDead:
+                    raise
+                except Exception as e:
+                    log.exception("group %s/%s failed unexpectedly; handing it back", c.job_id,
+                                  c.group_index)
+                    self.stats.error()
+                    handed_back.append((c, f"{type(e).__name__}: {e}"))
+            for c, error in handed_back:
+                await self._release_quietly([c], error=error, refund=False)
+            await self._finish_many(finishing)
+        except EngineDead as e:
+            # They stay held: shutdown hands them back, counted as a delivery, with the error.
+            engine_died = True
+            self._fatal = e
+            self._stopping.set()
+            self._hurry.set()
+            return
+        except Exception as e:
+            log.warning("%d groups: %s: %s; handing them back", len(finishing), type(e).__name__, e)
+            self.stats.error()
+            await self._release_quietly([c for c, *_ in finishing], error=f"{type(e).__name__}: {e}",
+                                        refund=False)
+        finally:
+            for c, _ in batch:
+                held = self._held.get(c.key)
+                if not engine_died and held is not None and held.claimed is c:
+                    del self._held[c.key]
+            self._slot_freed.set()
+
+    async def _generate_at_once(self, item: WorkItem) -> GroupResult:
+        started = time.time()
+        partial = dict(job_id=item.job_id, group_index=item.group_index, prompt=item.prompt,
+                       worker_id=self.worker_id)
+        try:
+            generated = await self.engine.generate_group(item)
+        except GroupError as e:
+            return GroupResult(status="failed", reason=str(e), **partial)
+        return self._generated(item, generated, started, partial)
 
     async def _serve(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> None:
         """`item`: the decoded payload, or why it could not be decoded."""
@@ -330,6 +400,9 @@ class Worker:
             return GroupResult(status="expired", reason="deadline passed during generation", **partial)
         except GroupError as e:
             return GroupResult(status="failed", reason=str(e), **partial)
+        return self._generated(item, generated, started, partial)
+
+    def _generated(self, item: WorkItem, generated, started: float, partial: dict) -> GroupResult:
         outside = _outside_window(item, generated.samples)
         if outside:  # must never happen: refuse to deliver rather than mislabel
             log.error("group %s/%s: %s", item.job_id, item.group_index, outside)
@@ -389,24 +462,33 @@ class Worker:
         await self._finish(c, result, dead_reason=reason if dead else "")
 
     async def _finish(self, c: Claimed, result: GroupResult, dead_reason: str = "") -> None:
-        """Write the result; through a Redis outage, retried while the lease would still hold
+        await self._finish_many([(c, result, dead_reason)])
+
+    async def _finish_many(self, finishing: list[tuple[Claimed, GroupResult, str]]) -> None:
+        """Write the results; through a Redis outage, retried while the leases would still hold
         (fencing makes a late or repeated write a no-op)."""
+        if not finishing:
+            return
+        calls = [(c, result.status, encode(result), dead_reason) for c, result, dead_reason in finishing]
         give_up, delay = time.monotonic() + self.lease_s, 0.1
+        c = finishing[0][0]
         while True:
             try:
-                outcome = await self.queue.finish(c, result.status, encode(result), dead_reason=dead_reason)
+                outcomes = await self.queue.finish_many(calls)
                 break
             except (RedisConnectionError, RedisTimeoutError) as e:
                 if time.monotonic() > give_up:
                     raise
-                log.warning("writing group %s/%s: redis unreachable (%s); retrying", c.job_id,
-                            c.group_index, e)
+                log.warning("writing %d results (group %s/%s, ...): redis unreachable (%s); "
+                            "retrying", len(calls), c.job_id, c.group_index, e)
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 2.0)
-        if outcome is not Reply.OK:
-            log.warning("group %s/%s: result not written (%s)", c.job_id, c.group_index, outcome)
-            return
-        self.stats.result(result, max(self.newest or 0, self.engine.version), dead=bool(dead_reason))
+        newest = max(self.versions.newest or 0, self.engine.version)
+        for (c, result, dead_reason), outcome in zip(finishing, outcomes):
+            if outcome is not Reply.OK:
+                log.warning("group %s/%s: result not written (%s)", c.job_id, c.group_index, outcome)
+            else:
+                self.stats.result(result, newest, dead=bool(dead_reason))
 
     # --- leases, cancellation, shutdown ------------------------------------------------------
 
