@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from rollq.config import WorkerSettings
 from rollq.queue.connection import connect
 from rollq.worker.build import build_worker
 from rollq.worker.loop import Worker
-from rollq.worker.pool import reap_group
+from rollq.children import stop_child
 
 
 def _wait_for_redis(url: str, timeout_s: float = 10) -> None:
@@ -160,11 +159,7 @@ class WorkerProcess:
         return self.proc.wait(timeout_s)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
-        reap_group(self.proc.pid)
+        stop_child(self.proc, 0)  # SIGKILL, its engine processes too
         self._log.close()
 
 
