@@ -35,7 +35,7 @@ from rollq.chaos_trainer import POLICY
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
 from rollq.queue.connection import connect
-from rollq.worker.pool import reap_group
+from rollq.children import reap_group, stop_children
 
 FAULTS = ("worker_sigkill", "worker_sigstop", "redis_restart", "client_kill", "trainer_sigkill")
 console = Console()
@@ -141,16 +141,7 @@ class _Run:
         log.close()
 
     def stop_workers(self) -> None:
-        for proc in self.workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.terminate()
-        for proc in self.workers:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            reap_group(proc.pid)
+        stop_children(self.workers, 15)
 
 
 async def _submitter(run: _Run, client: RolloutClient, until: float) -> None:

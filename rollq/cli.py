@@ -7,12 +7,15 @@ import json
 import logging
 import signal
 import sys
+import types
+import typing
 from pathlib import Path
 
 import click
+import msgspec
 from rich.logging import RichHandler
 
-from rollq.config import VLLMSettings, WorkerSettings, default_worker_id
+from rollq.config import VLLMSettings, WorkerSettings, default_weight_store, default_worker_id, field_docs
 from rollq.protocol import InvalidInput
 from rollq.queue.connection import DEFAULT_URL
 
@@ -30,58 +33,54 @@ def main(log_level: str) -> None:
     _setup_logging(log_level)
 
 
+def _setting(cls: type, name: str, *, flag: str | None = None, envvar: str | None = None,
+             help: str | None = None):
+    """A click option for the settings field `name` of `cls`: its default, type and help come
+    from the settings class, so the CLI never holds a second copy of them."""
+    field = next(f for f in msgspec.structs.fields(cls) if f.name == name)
+    default = None if field.default is msgspec.NODEFAULT else field.default
+    kind = [field.type]
+    if isinstance(field.type, types.UnionType):  # `int | None`: an int option, default None
+        kind = [t for t in typing.get_args(field.type) if t is not type(None)]
+    kwargs: dict = dict(default=default, show_default=default is not None,
+                        help=help or _FIELD_DOCS[cls].get(name))
+    dashed = name.replace("_", "-")
+    if typing.get_origin(kind[0]) is typing.Literal:
+        kwargs["type"] = click.Choice(typing.get_args(kind[0]))
+    elif kind[0] is bool:
+        flag = flag or f"--{dashed}/--no-{dashed}"
+    else:
+        kwargs["type"] = kind[0]
+    return click.option(flag or f"--{dashed}", name, envvar=envvar or f"ROLLQ_{name.upper()}", **kwargs)
+
+
+_FIELD_DOCS = {cls: field_docs(cls) for cls in (WorkerSettings, VLLMSettings)}
+
+
+def _worker_options(command):
+    for name in reversed(WorkerSettings.__struct_fields__):
+        command = _setting(WorkerSettings, name, envvar="REDIS_URL" if name == "redis_url" else None,
+                           help="Consumer name [default: host-pid-random]."
+                           if name == "worker_id" else None)(command)
+    return command
+
+
+def _engine_options(command):
+    command = click.option("--engine-arg", "engine_args", multiple=True, metavar="NAME=JSON",
+                           help="Any other vLLM AsyncEngineArgs field, e.g. --engine-arg "
+                                "block_size=32.")(command)
+    special = {"model": dict(help="vLLM: local model directory."),
+               "enable_prefix_caching": dict(flag="--prefix-caching/--no-prefix-caching",
+                                             envvar="ROLLQ_PREFIX_CACHING")}
+    for name in reversed(VLLMSettings.__struct_fields__):
+        if name != "engine_args":
+            command = _setting(VLLMSettings, name, **special.get(name, {}))(command)
+    return command
+
+
 @main.command()
-@click.option("--redis-url", envvar="REDIS_URL", default=DEFAULT_URL, show_default=True)
-@click.option("--policy", envvar="ROLLQ_POLICY", default="default", show_default=True)
-@click.option("--worker-id", envvar="ROLLQ_WORKER_ID", default=None,
-              help="Consumer name; default host-pid-random.")
-@click.option("--engine", envvar="ROLLQ_ENGINE", default="instant", show_default=True,
-              type=click.Choice(["instant", "vllm"]))
-@click.option("--max-inflight", envvar="ROLLQ_MAX_INFLIGHT", type=int, default=None,
-              help="Groups in flight at most [default: 32; vllm: --max-num-seqs].")
-@click.option("--lease-s", envvar="ROLLQ_LEASE_S", default=30.0, show_default=True)
-@click.option("--max-deliveries", envvar="ROLLQ_MAX_DELIVERIES", default=3, show_default=True)
-@click.option("--grace-s", envvar="ROLLQ_GRACE_S", default=30.0, show_default=True)
-@click.option("--poll-s", envvar="ROLLQ_POLL_S", default=1.0, show_default=True)
-@click.option("--job-ttl-s", envvar="ROLLQ_JOB_TTL_S", default=86_400, show_default=True)
-@click.option("--instant-delay-s", envvar="ROLLQ_INSTANT_DELAY_S", default=0.0, show_default=True,
-              help="Instant engine only: seconds each group takes.")
-@click.option("--swap-mode", envvar="ROLLQ_SWAP_MODE", default="drain", show_default=True,
-              type=click.Choice(["drain", "interrupt", "keep"]),
-              help="On a new version: finish running groups first, cut and continue them, or keep "
-                   "them with their KV cache (for jobs that accept it; others are drained).")
-@click.option("--pin-version", envvar="ROLLQ_PIN_VERSION", type=int, default=None,
-              help="Serve only this version (never follow the registry).")
-@click.option("--base-version", envvar="ROLLQ_BASE_VERSION", default=0, show_default=True,
-              help="Version of the weights the engine starts with.")
-@click.option("--require-durable", is_flag=True, envvar="ROLLQ_REQUIRE_DURABLE",
-              help="Refuse a Redis without AOF or with an evicting maxmemory-policy (else: warn).")
-@click.option("--metrics-port", envvar="ROLLQ_METRICS_PORT", type=int, default=None,
-              help="Serve Prometheus /metrics on this port (0: any free port, logged at start-up).")
-@click.option("--metrics-host", envvar="ROLLQ_METRICS_HOST", default="127.0.0.1", show_default=True)
-@click.option("--model", envvar="ROLLQ_MODEL", default=None, help="vLLM: local model directory.")
-@click.option("--dtype", envvar="ROLLQ_DTYPE", default="auto", show_default=True)
-@click.option("--max-model-len", envvar="ROLLQ_MAX_MODEL_LEN", type=int, default=None)
-@click.option("--max-num-seqs", envvar="ROLLQ_MAX_NUM_SEQS", default=256, show_default=True)
-@click.option("--gpu-memory-utilization", envvar="ROLLQ_GPU_MEMORY_UTILIZATION", default=0.9,
-              show_default=True)
-@click.option("--tensor-parallel-size", envvar="ROLLQ_TENSOR_PARALLEL_SIZE", default=1,
-              show_default=True)
-@click.option("--enforce-eager/--no-enforce-eager", envvar="ROLLQ_ENFORCE_EAGER", default=False,
-              show_default=True)
-@click.option("--seed", envvar="ROLLQ_SEED", default=0, show_default=True)
-@click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching",
-              envvar="ROLLQ_PREFIX_CACHING", default=True, show_default=True)
-@click.option("--logprobs-mode", envvar="ROLLQ_LOGPROBS_MODE", default="processed_logprobs",
-              show_default=True, type=click.Choice(["processed_logprobs", "raw_logprobs"]))
-@click.option("--enable-lora", is_flag=True, envvar="ROLLQ_ENABLE_LORA",
-              help="Serve adapter (LoRA) versions side by side, without swaps.")
-@click.option("--max-loras", envvar="ROLLQ_MAX_LORAS", default=3, show_default=True,
-              help="Adapter versions in one batch (and kept loaded).")
-@click.option("--max-lora-rank", envvar="ROLLQ_MAX_LORA_RANK", default=16, show_default=True,
-              help="Largest adapter rank served; higher ones are refused.")
-@click.option("--engine-arg", "engine_args", multiple=True, metavar="NAME=JSON",
-              help="Any other vLLM AsyncEngineArgs field, e.g. --engine-arg block_size=32.")
+@_worker_options
+@_engine_options
 def worker(**flags) -> None:
     """Serve one policy's queue with one engine."""
     engine_flags = {name: flags.pop(name) for name in list(flags) if name in VLLMSettings.__struct_fields__}
@@ -159,10 +158,8 @@ async def _serve_metrics(stats, host: str, port: int, log: logging.Logger):
 
 async def _run_worker(s: WorkerSettings, vllm_settings: VLLMSettings | None, redis, stats) -> int:
     from rollq.engine.instant import InstantEngine
-    from rollq.queue.keys import Keys
-    from rollq.queue.work import WorkQueue
-    from rollq.worker.loop import Worker
-    from rollq.worker.swap import VersionFollower, load_pinned
+    from rollq.worker.build import build_worker
+    from rollq.worker.swap import load_pinned
 
     seq_budget = base_schema = None
     if vllm_settings is not None:
@@ -175,16 +172,10 @@ async def _run_worker(s: WorkerSettings, vllm_settings: VLLMSettings | None, red
     else:
         engine = InstantEngine(delay_s=s.instant_delay_s, version=s.base_version)
     try:
-        queue = WorkQueue(redis, Keys(s.policy), s.worker_id, job_ttl_s=s.job_ttl_s)
-        w = Worker(queue, engine, max_inflight=s.max_inflight or seq_budget or 32, lease_s=s.lease_s,
-                   max_deliveries=s.max_deliveries, grace_s=s.grace_s, poll_s=s.poll_s,
-                   max_inflight_seqs=seq_budget, pinned=s.pin_version is not None, stats=stats)
-        follower = None
+        w, follower = build_worker(s, redis, engine, max_inflight_seqs=seq_budget,
+                                   base_schema=base_schema, stats=stats)
         if s.pin_version is not None:
             await load_pinned(w, w.registry, s.pin_version, base_schema)
-        else:
-            follower = VersionFollower(w, w.registry, mode=s.swap_mode, base_schema=base_schema,
-                                       poll_s=s.poll_s)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, w.stop)
@@ -210,7 +201,7 @@ async def _run_worker(s: WorkerSettings, vllm_settings: VLLMSettings | None, red
 @click.option("--gateway-id", envvar="ROLLQ_GATEWAY_ID", default="gateway", show_default=True,
               help="Names this gateway's completions trainers; unique per gateway.")
 @click.option("--weight-store", envvar="ROLLQ_WEIGHT_STORE", default=None,
-              help="Where published copies go [default: ~/.cache/rollq/weights].")
+              help=f"Where published copies go [default: {default_weight_store()}].")
 @click.option("--weight-root", "weight_roots", multiple=True,
               help="Roots to publish by path from: policy P may publish only under ROOT/P/ "
                    "(default root: the weight store).")
@@ -391,7 +382,7 @@ def chaos(minutes: float, workers: int | None, weights: bool, seed: int | None,
               help="Worker processes on this host.")
 @click.option("--gpus-per-worker", envvar="ROLLQ_GPUS_PER_WORKER", default=0, show_default=True,
               help="GPU hosts: devices per worker (CUDA_VISIBLE_DEVICES, tensor-parallel size).")
-@click.option("--grace-s", envvar="ROLLQ_GRACE_S", default=30.0, show_default=True)
+@_setting(WorkerSettings, "grace_s")
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
 def pool(workers: int, gpus_per_worker: int, grace_s: float, worker_args: tuple[str, ...]) -> None:
     """Run WORKERS `rollq worker` processes, restart any that dies, stop all on SIGTERM.

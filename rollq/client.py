@@ -43,10 +43,11 @@ from rollq.protocol import (
     sampling_from_dict,
     validate_item,
     validate_n,
-    validate_window,
+    VersionWindow,
 )
 from rollq import images as imaging
 from rollq.queue import jobs
+from rollq.config import default_weight_store
 from rollq.queue.connection import DEFAULT_URL, connect
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
@@ -127,17 +128,6 @@ def group_prompts(prompts: Sequence[Prompt], n: int, repeated: bool) -> list[lis
     return groups
 
 
-def _window(min_version: int | None, max_version: int | None, exact_version: int | None,
-            max_staleness: int | None) -> tuple[int, int | None, int | None]:
-    if exact_version is not None:
-        if min_version is not None or max_version is not None:
-            raise InvalidInput("exact_version", "excludes min_version and max_version")
-        min_version = max_version = exact_version
-    window = (min_version or 0, max_version, max_staleness)
-    validate_window(*window)
-    return window
-
-
 def _typed(field: str, value: Any, typ: Any) -> Any:
     try:
         return msgspec.convert(value, typ)
@@ -187,8 +177,7 @@ class RolloutClient:
         self._owns_redis = redis is None
         self.scripts = Scripts(self.redis)
         self.registry = Registry(self.redis, self.keys, self.scripts)
-        self.weight_store = weight_store or os.environ.get(
-            "ROLLQ_WEIGHT_STORE", str(Path.home() / ".cache" / "rollq" / "weights"))
+        self.weight_store = weight_store or default_weight_store()
         self._reader = ResultReader(self.redis, self.scripts, self.keys, trainer_id, trainer_id)
         self._publishing: asyncio.Task | None = None
         """The last publish started: the next one registers after it (versions in order)."""
@@ -247,7 +236,8 @@ class RolloutClient:
         """
         validate_n(n)
         job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
-        window = _window(min_version, max_version, exact_version, max_staleness)
+        window = VersionWindow(max_staleness=max_staleness, min_version=min_version,
+                               max_version=max_version, exact_version=exact_version).resolve()
         groups = group_prompts(prompts, n, repeated)
         found: dict[str, bytes | None] = {}
         digests = self._group_images(images, len(groups), found)
@@ -309,7 +299,8 @@ class RolloutClient:
         """
         validate_n(n)
         job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
-        window = _window(min_version, max_version, exact_version, max_staleness)
+        window = VersionWindow(max_staleness=max_staleness, min_version=min_version,
+                               max_version=max_version, exact_version=exact_version).resolve()
         settings = msgspec.structs.replace(_sampling(sampling), return_text=True)
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
             raise InvalidInput("conversations", "must be a list of conversations (lists of messages)")

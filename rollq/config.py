@@ -6,6 +6,7 @@ import dataclasses
 import os
 import socket
 import uuid
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -14,8 +15,32 @@ from rollq.protocol import InvalidInput, SwapMode, check_id
 from rollq.queue.connection import DEFAULT_URL
 
 
+def default_weight_store() -> str:
+    """Where published weight copies go unless told: `ROLLQ_WEIGHT_STORE`, else the user's cache."""
+    return os.environ.get("ROLLQ_WEIGHT_STORE", str(Path.home() / ".cache" / "rollq" / "weights"))
+
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+DEFAULT_MAX_INFLIGHT = 32
+"""Groups in flight without `max_inflight` and without an engine's sequence budget."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a settings class (the CLI's help texts)."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for field, doc in zip(body, body[1:]):
+        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)):
+            docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True):
@@ -28,7 +53,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     engine: Literal["instant", "vllm"] = "instant"
     """`vllm` generates; `instant` returns deterministic tokens at once (load tests only)."""
     max_inflight: int | None = None
-    """Groups running on the engine at once (None: 32, or vLLM's max_num_seqs)."""
+    """Groups running on the engine at once [default: 32; vllm: --max-num-seqs]."""
     lease_s: float = 30.0
     """A held group not renewed for this long may be taken over by another worker."""
     max_deliveries: int = 3
@@ -54,6 +79,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     require_durable: bool = False
     """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
     metrics_host: str = "127.0.0.1"
+    """The address `/metrics` binds to."""
 
     def validate(self) -> WorkerSettings:
         check_id("policy", self.policy)

@@ -30,7 +30,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from rollq.faults import RedisProcess, reserved_port
-from rollq.worker.pool import reap_group
+from rollq.children import stop_child
 
 console = Console()
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "async_grpo.py"
@@ -153,11 +153,7 @@ def gateway_process(redis_url: str, port: int, log_path: Path):
     try:
         yield f"http://127.0.0.1:{port}/"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_child(proc, 15)
 
 
 @contextlib.contextmanager
@@ -175,13 +171,7 @@ def worker_process(redis_url: str, policy: str, model: Path, log_path: Path, cpu
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        reap_group(proc.pid)  # its engine processes too
+        stop_child(proc, 60)  # its engine processes too
 
 
 async def wait_for_worker(redis_url: str, policy: str, proc, timeout_s: float, log: Path) -> None:

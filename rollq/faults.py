@@ -15,6 +15,8 @@ from pathlib import Path
 
 import redis as redis_sync
 
+from rollq.children import stop_child
+
 
 def reserved_port() -> int:
     """A loopback port for another process to bind (with SO_REUSEADDR, as aiohttp and
@@ -129,11 +131,5 @@ class RedisProcess:
         os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.resume()
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_child(self.proc, 10, group=False)

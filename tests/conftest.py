@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,12 +16,11 @@ import redis as redis_sync
 from rollq.client import RolloutClient
 from rollq.engine.instant import InstantEngine
 from rollq.faults import RedisProcess, reserved_port  # noqa: F401 (tests import it from here)
+from rollq.config import WorkerSettings
 from rollq.queue.connection import connect
-from rollq.queue.keys import Keys
-from rollq.queue.work import WorkQueue
+from rollq.worker.build import build_worker
 from rollq.worker.loop import Worker
-from rollq.worker.pool import reap_group
-from rollq.worker.swap import VersionFollower
+from rollq.children import stop_child
 
 
 def _wait_for_redis(url: str, timeout_s: float = 10) -> None:
@@ -84,22 +82,23 @@ async def make_client(redis_url, policy):
 
 @pytest.fixture
 async def make_worker(redis_url, policy):
-    """In-process worker (instant engine unless `engine=`): create(**settings) -> (worker, task)."""
+    """In-process worker (instant engine unless `engine=`), assembled as `rollq worker` does
+    (`build_worker`): create(**settings) -> (worker, task). `settings`: WorkerSettings fields,
+    plus `pinned` (to the engine's version) and `max_inflight_seqs` (an engine's sequence budget)."""
     made: list[tuple[Worker, asyncio.Task, object]] = []
 
     def create(worker_id: str | None = None, *, delay_s: float = 0.0, engine=None,
-               swap_mode: str = "drain", follow: bool = True, base_schema=None, **settings):
+               follow: bool = True, base_schema=None, pinned: bool = False,
+               max_inflight_seqs: int | None = None, **settings):
         """`follow`: swap as versions are published (unless pinned)."""
-        settings = {"max_inflight": 8, "lease_s": 5.0, "max_deliveries": 3, "grace_s": 1.0,
-                    "poll_s": 0.1} | settings
+        engine = engine or InstantEngine(delay_s=delay_s)
+        settings = {"policy": policy, "max_inflight": 8, "lease_s": 5.0, "max_deliveries": 3,
+                    "grace_s": 1.0, "poll_s": 0.1, "job_ttl_s": 600} | settings
+        s = WorkerSettings(worker_id=worker_id or f"w-{uuid.uuid4().hex[:6]}",
+                           pin_version=engine.version if pinned else None, **settings).validate()
         r = connect(redis_url)
-        queue = WorkQueue(r, Keys(settings.pop("policy", policy)),
-                          worker_id or f"w-{uuid.uuid4().hex[:6]}", job_ttl_s=600)
-        w = Worker(queue, engine or InstantEngine(delay_s=delay_s), **settings)
-        follower = None
-        if follow and not w.pinned:
-            follower = VersionFollower(w, w.registry, mode=swap_mode, base_schema=base_schema,
-                                       poll_s=settings["poll_s"])
+        w, follower = build_worker(s, r, engine, max_inflight_seqs=max_inflight_seqs,
+                                   base_schema=base_schema, follow=follow)
         task = asyncio.create_task(w.run(follower))
         made.append((w, task, r))
         return w, task
@@ -160,11 +159,7 @@ class WorkerProcess:
         return self.proc.wait(timeout_s)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
-        reap_group(self.proc.pid)
+        stop_child(self.proc, 0)  # SIGKILL, its engine processes too
         self._log.close()
 
 

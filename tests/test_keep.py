@@ -11,6 +11,7 @@ from rollq.gateway.completions import CompletionRequest, sampling_of
 from rollq.protocol import InvalidInput, Sampling, WorkItem, decode_item, encode, sampling_from_dict
 from rollq.registry.safetensors_check import WeightError
 from rollq.worker.swap import check_finite
+from rollq.engine.vllm import VLLMEngine
 from rollq.worker.windows import interruptible, keepable
 
 
@@ -21,14 +22,14 @@ def _item(max_version=None, **sampling) -> WorkItem:
 def test_a_job_crosses_only_the_swaps_it_accepts():
     default = _item()
     assert Sampling().swap_modes == ("drain", "interrupt")  # exact unless the job says otherwise
-    assert interruptible(default, 2) and not keepable(default, 2)
+    assert interruptible(default, 2, VLLMEngine) and not keepable(default, 2)
     keeps = _item(swap_modes=("keep",))
-    assert keepable(keeps, 2) and not interruptible(keeps, 2)
+    assert keepable(keeps, 2) and not interruptible(keeps, 2, VLLMEngine)
     assert not keepable(_item(swap_modes=("keep",), max_version=1), 2)  # window first
     # A seed, a regex or penalties cannot be continued exactly, but a kept request is not cut.
     assert keepable(_item(swap_modes=("keep",), seed=3, regex="a+"), 2)
     only_drain = _item(swap_modes=("drain",))
-    assert not interruptible(only_drain, 2) and not keepable(only_drain, 2)
+    assert not interruptible(only_drain, 2, VLLMEngine) and not keepable(only_drain, 2)
 
 
 def test_swap_modes_travel_and_bad_ones_are_named():

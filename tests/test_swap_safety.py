@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 import rollq.worker.swap as swap_module
 from rollq.engine.instant import InstantEngine
+from rollq.engine.vllm import VLLMEngine
 from rollq.protocol import Sampling, WorkItem, pack_tokens
 from rollq.registry.retention import retain
 from rollq.registry.safetensors_check import WeightError
@@ -186,7 +187,7 @@ async def test_exact_version_a_worker_is_verifying_waits_for_it(
 def test_seeded_groups_are_drained_not_cut():
     seeded = WorkItem("j", 0, pack_tokens([1]), 1, Sampling(seed=5), 0.0)
     unseeded = WorkItem("j", 0, pack_tokens([1]), 1, Sampling(), 0.0)
-    assert interruptible(unseeded, 2) and not interruptible(seeded, 2)
+    assert interruptible(unseeded, 2, VLLMEngine) and not interruptible(seeded, 2, VLLMEngine)
 
 
 @pytest.mark.parametrize("damage", ["tensor in two shards", "shard missing"])
@@ -290,4 +291,4 @@ def test_groups_with_images_are_drained_not_cut():
     """A continuation from prompt + tokens so far carries no images: such groups drain."""
     plain = WorkItem("j", 0, pack_tokens([1]), 1, Sampling(), 0.0)
     with_image = msgspec.structs.replace(plain, images=["ab" * 32])
-    assert interruptible(plain, 2) and not interruptible(with_image, 2)
+    assert interruptible(plain, 2, VLLMEngine) and not interruptible(with_image, 2, VLLMEngine)

@@ -41,6 +41,17 @@ class Engine(Protocol):
         """False once the engine can serve no more (checked before claiming work)."""
         ...
 
+    @property
+    def at_once(self) -> bool:
+        """True if `generate_group` answers without ever suspending (the instant engine without
+        a delay): the worker then serves the groups of a claim in one task, finished together."""
+        ...
+
+    def continues_exactly(self, item: WorkItem) -> bool:
+        """May a sample of `item` cut mid-generation (an `interrupt` swap) be continued from its
+        prompt + tokens so far, drawing each later token as the uncut request would have?"""
+        ...
+
     async def generate_group(self, item: WorkItem) -> Generated:
         """All `item.n` samples of one prompt group, from one engine request.
 

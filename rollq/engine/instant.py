@@ -35,6 +35,14 @@ class InstantEngine:
     def alive(self) -> bool:
         return True
 
+    @property
+    def at_once(self) -> bool:
+        # A subclass with its own generate_group (a test's gated engine) may suspend in it.
+        return not self.delay_s and type(self).generate_group is InstantEngine.generate_group
+
+    def continues_exactly(self, item: WorkItem) -> bool:
+        return True  # its tokens are a function of the prompt alone, and a swap never cuts them
+
     async def generate_group(self, item: WorkItem) -> Generated:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)

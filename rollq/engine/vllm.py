@@ -226,6 +226,19 @@ class VLLMEngine:
     def alive(self) -> bool:
         return self.llm is not None and not self.llm.errored and not self._dead
 
+    at_once = False
+    """Groups take the engine's steps: each is served by a task of its own."""
+
+    @staticmethod
+    def continues_exactly(item: WorkItem) -> bool:
+        """Not when continuing from "prompt + tokens so far" changes the sampling: a regex
+        restarts its automaton, presence/frequency penalties count only generated tokens, `extra`
+        may hold anything, a seeded sample continued under another seed would not be the sample
+        its seed promises; nor with images (a continuation from token ids alone drops them)."""
+        s = item.sampling
+        return (s.seed is None and not s.regex and not s.extra and not item.images
+                and s.presence_penalty == 0 and s.frequency_penalty == 0)
+
     @property
     def vocab_size(self) -> int:
         return self.llm.model_config.get_vocab_size()

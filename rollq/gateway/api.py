@@ -78,8 +78,7 @@ async def submit(request: web.Request) -> web.Response:
             for i, group in enumerate(body.images)]
         job_id = await gw.client(policy, who.trainer).submit(
             body.prompts, body.n, body.sampling, job_id=body.job_id, deadline_s=body.deadline_s,
-            meta=body.meta, max_staleness=body.max_staleness, min_version=body.min_version,
-            max_version=body.max_version, exact_version=body.exact_version, wait=False, images=images)
+            meta=body.meta, wait=False, images=images, **body.asked())
     return reply(request, Submitted(job_id, len(body.prompts)), status=201)
 
 
@@ -348,8 +347,7 @@ async def run_job(gw: Gateway, policy: str, who: Principal, job_id: str, groups:
     trainer = gw.completions_trainer(who.trainer)
     router = gw.router(policy, trainer)
     waiter = router.expect(job_id, groups)
-    window = dict(max_staleness=req.max_staleness, min_version=req.min_version,
-                  max_version=req.max_version, exact_version=req.exact_version)
+    window = req.asked()
     finished = False
     try:
         await submit(gw.client(policy, trainer), job_id, window)

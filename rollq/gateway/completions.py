@@ -16,14 +16,13 @@ import time
 import uuid
 from typing import Any
 
-import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollq import __version__
 from rollq.gateway.http import ApiError
-from rollq.protocol import (GroupResult, InvalidInput, Sample, Sampling, SwapMode, unpack_floats,
-                            unpack_tokens)
+from rollq.protocol import (GroupResult, InvalidInput, Sample, Sampling, SwapMode, VersionWindow,
+                            unpack_floats, unpack_tokens)
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
@@ -31,9 +30,9 @@ from rollq.queue.scripts import Scripts
 log = logging.getLogger("rollq.gateway")
 
 
-class OpenAIRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class OpenAIRequest(VersionWindow, kw_only=True, forbid_unknown_fields=True):
     """What /v1/completions and /v1/chat/completions share: vLLM's sampling fields of both, and
-    rollq's version window."""
+    rollq's version window (the fields of `VersionWindow`)."""
 
     model: str
     """The policy name."""
@@ -56,11 +55,7 @@ class OpenAIRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # rollq's own: the version window (see RolloutClient.submit) and how long to wait.
-    max_staleness: int | None = None
-    min_version: int | None = None
-    max_version: int | None = None
-    exact_version: int | None = None
+    # rollq's own: how long to wait (and the version window, inherited).
     timeout_s: float = 600.0
     swap_modes: list[SwapMode] | None = None
     """How a running group may cross a weight swap (`Sampling.swap_modes`; None: its default)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from rollq.protocol import GroupResult, Sample, VersionEntry, unpack_floats, unpack_tokens
+from rollq.protocol import GroupResult, Sample, VersionEntry, VersionWindow, unpack_floats, unpack_tokens
 
 _REQUEST = dict(forbid_unknown_fields=True, kw_only=True)
 
@@ -31,7 +31,9 @@ class ErrorBody(msgspec.Struct):
     error: Error
 
 
-class SubmitRequest(msgspec.Struct, **_REQUEST):
+class SubmitRequest(VersionWindow, **_REQUEST):
+    """Its version window: the fields of `VersionWindow`."""
+
     prompts: list[list[int] | str]
     """One prompt group per entry: token ids, or text for workers whose model has a tokenizer."""
     n: int = 1
@@ -41,10 +43,6 @@ class SubmitRequest(msgspec.Struct, **_REQUEST):
     """Make the submit idempotent: the same id again adds nothing."""
     deadline_s: float | None = None
     meta: dict[str, Any] | None = None
-    max_staleness: int | None = None
-    min_version: int | None = None
-    max_version: int | None = None
-    exact_version: int | None = None
     images: list[list[str]] | None = None
     """Per prompt group, its images as `data:image/...;base64,` URLs (PNG, JPEG or WebP), in the
     order of the image placeholders in its prompt; each distinct image is stored once."""

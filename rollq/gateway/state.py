@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from redis.asyncio import Redis
 
 from rollq.client import RolloutClient
+from rollq.config import default_weight_store
 from rollq.gateway.auth import Tokens
 from rollq.gateway.completions import CompletionRouter, TokenText
 from rollq.gateway.files import FileWorkers
@@ -26,10 +26,6 @@ from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
 
 log = logging.getLogger("rollq.gateway")
-
-
-def _default_store() -> str:
-    return os.environ.get("ROLLQ_WEIGHT_STORE", str(Path.home() / ".cache" / "rollq" / "weights"))
 
 
 class GatewaySettings(msgspec.Struct, kw_only=True):
@@ -46,7 +42,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     """Show and serve only these policies (default: every policy found in Redis)."""
     gateway_id: str = "gateway"
     """Names this gateway's completions trainers; give each of several gateways its own."""
-    weight_store: str = msgspec.field(default_factory=_default_store)
+    weight_store: str = msgspec.field(default_factory=default_weight_store)
     weight_roots: list[Path] = []
     """Directories whose `<root>/<policy>/` subtree that policy may publish by path (default: the
     weight store, so `<store>/<policy>/`); another policy's store subtree is always refused."""

@@ -285,6 +285,22 @@ class WorkQueue:
         alone. Batching saves redis-py's per-command cost (packing, a reply to parse each), which
         dominated the worker's CPU time moving no-op groups (docs/benchmarks.md).
         """
+        return Reply(_text(await self._queue_finish(*self._finish_call(claimed, status, payload,
+                                                                        dead_reason))))
+
+    async def finish_many(self, finishing: list[tuple[Claimed, str, bytes, str]]) -> list[Reply]:
+        """`finish` for each (claimed, status, payload, dead_reason), from one caller: the same
+        batch and fencing, without a task per entry."""
+        replies = [self._queue_finish(*self._finish_call(c, status, payload, dead_reason))
+                   for c, status, payload, dead_reason in finishing]
+        replies = await asyncio.gather(*replies, return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return [Reply(_text(reply)) for reply in replies]
+
+    def _finish_call(self, claimed: Claimed, status: str, payload: bytes,
+                     dead_reason: str) -> tuple[tuple, tuple]:
         trainer, results, outstanding_bytes = self._trainer_keys(claimed.stream)
         job_id = claimed.job_id or "-"
         group = "" if claimed.group_index is None or not claimed.job_id else str(claimed.group_index)
@@ -293,11 +309,14 @@ class WorkQueue:
         raw = claimed.data or b""
         # The item goes back to Redis only into a dead letter: the byte count needs its size.
         args = (claimed.entry_id, group, status, payload, dead_reason, len(raw), raw if dead_reason else b"")
+        return keys, args
+
+    def _queue_finish(self, keys: tuple, args: tuple) -> asyncio.Future:
         reply = asyncio.get_running_loop().create_future()
         self._finishing.append((keys, args, reply))
         if self._finisher is None or self._finisher.done():
             self._finisher = asyncio.create_task(self._send_finishes(), name="finish-batches")
-        return Reply(_text(await reply))
+        return reply
 
     def _trainer_keys(self, stream: str) -> tuple[str, str, str]:
         """A work stream's trainer, its result stream and byte counter (looked up per result)."""

@@ -16,10 +16,17 @@ class Admission:
         self.generating: dict[tuple[str, str], WorkItem] = {}
         """Groups past the gate: deciding on their version window, or generating."""
         self._changed = asyncio.Event()
+        self._watchers = 0
+        """Callers waiting for a change: without any, a group leaving notifies nobody."""
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._watchers:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
 
     def generation(self, key: tuple[str, str], item: WorkItem) -> _Inside:
         """`async with`: enter when the gate is open; a swap waits for the groups inside that it
@@ -30,7 +37,7 @@ class Admission:
         """Close the gate, then wait until no group inside is one that `blocking` selects."""
         self._open.clear()
         while any(blocking(item) for item in self.generating.values()):
-            await self._changed.wait()
+            await self._watch(self._changed.wait())
 
     def reopen(self) -> None:
         """Open the gate again; groups waiting for a version re-check theirs."""
@@ -40,7 +47,14 @@ class Admission:
     async def changed(self, timeout_s: float) -> None:
         """Until the gate reopens or a group leaves (at most `timeout_s`)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
+            await self._watch(asyncio.wait_for(self._changed.wait(), timeout_s))
+
+    async def _watch(self, change) -> None:
+        self._watchers += 1
+        try:
+            await change
+        finally:
+            self._watchers -= 1
 
 
 class _Inside:

@@ -19,24 +19,19 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rollq.engine.base import Engine, EngineDead, GroupError
+from rollq.engine.base import Engine, EngineDead
 from rollq.images import ImageLoader
-from rollq.protocol import (MAX_N, GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode,
-                            peek_header)
+from rollq.protocol import GroupResult, WorkItem
 from rollq.queue.connection import unreachable
-from rollq.queue.names import JobState, Reply
+from rollq.queue.names import JobState
 from rollq.queue.work import Claimed, WorkQueue
 from rollq.registry.versions import Registry
 from rollq.worker.admission import Admission
-from rollq.queue.workers import live_workers, recently_pinned
 from rollq.worker.heartbeat import Heartbeat
 from rollq.worker.resident import ResidentAdapters
 from rollq.worker.stats import WorkerStats
-from rollq.worker.windows import Decision, Verdict, decide, in_window
-
-WAIT_SWAP_RECHECK_S = 5.0
-"""A group waiting for this worker's swap re-checks its window at least this often."""
-PEERS_CACHE_S = 2.0
+from rollq.worker.versions import VersionState
+from rollq.worker.serving import GroupServer, cancelled, decode
 
 log = logging.getLogger("rollq.worker")
 
@@ -61,8 +56,11 @@ class Worker:
         max_inflight_seqs: int | None = None,
         pinned: bool = False,
         stats: WorkerStats | None = None,
+        versions: VersionState | None = None,
     ):
-        """`stats`: made before the worker, e.g. to serve its /metrics before the engine starts."""
+        """`stats`: made before the worker, e.g. to serve its /metrics before the engine starts.
+        `versions`: the version state its VersionFollower writes (default: a worker that never
+        swaps, e.g. a pinned one)."""
         self.queue = queue
         self.engine = engine
         self.worker_id = queue.consumer
@@ -80,18 +78,12 @@ class Worker:
         self.registry = Registry(queue.redis, queue.keys, queue.scripts)
         self.admission = Admission()
         self.stats = stats or WorkerStats(queue.keys.policy)
-        self.newest: int | None = None
-        """The newest registered version, as last seen."""
-        self.cannot_load: set[int] = set()
-        """Versions refused (checksum, header, load error): never retried."""
-        self.adapters: ResidentAdapters | None = None
-        """Adapter versions served beside the loaded one (set by the VersionFollower of an
-        engine with adapter support)."""
-        self.state = "serving"
-        self.last_error = ""
-        self._peers: tuple[float, set[int]] = (0.0, set())
+        self.versions = versions or VersionState(self.registry)
+        self.server = GroupServer(queue, engine, versions=self.versions, admission=self.admission,
+                                  stats=self.stats, heartbeat=self.heartbeat, max_inflight=max_inflight,
+                                  lease_s=lease_s, max_deliveries=max_deliveries, pinned=pinned)
+        self._redis_error, self._redis_error_at = "", 0.0
         self._held: dict[tuple[str, str], _Held] = {}
-        self._engine_slots = asyncio.Semaphore(max_inflight)
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._hurry = asyncio.Event()
@@ -102,6 +94,35 @@ class Worker:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    # Read-only views for the heartbeat, logs and tests; `versions` is written by its owner.
+    @property
+    def newest(self) -> int | None:
+        return self.versions.newest
+
+    @property
+    def cannot_load(self) -> set[int]:
+        return self.versions.cannot_load
+
+    @property
+    def adapters(self) -> ResidentAdapters | None:
+        return self.versions.adapters
+
+    @property
+    def state(self) -> str:
+        return "stopping" if self._stopping.is_set() else self.versions.swap
+
+    @property
+    def last_error(self) -> str:
+        """The newer of this worker's last Redis error and its last version error."""
+        v = self.versions
+        return v.last_error if v.error_at >= self._redis_error_at else self._redis_error
+
+    @last_error.setter
+    def last_error(self, reason: str) -> None:
+        # Kept for ResidentAdapters, which reports a refused adapter here (and adds it to
+        # `cannot_load`); `versions.refuse(version, reason)` says both in one call.
+        self.versions.failed(reason)
 
     def stop(self) -> None:
         """First call: stop claiming and shut down in stages. Second call: skip the grace period."""
@@ -122,7 +143,6 @@ class Worker:
             with contextlib.suppress(RedisError):  # Redis may be down: the renew loop beats again
                 await self._beat()
             await self._feed_loop()
-            self.state = "stopping"
             await self._drain()
         finally:
             # Also on cancellation: nothing held may stay pending for a full lease.
@@ -156,7 +176,7 @@ class Worker:
                     break
                 delay = 0.1
             except (RedisConnectionError, RedisTimeoutError) as e:
-                self.last_error = f"redis unreachable: {e}"
+                self._redis_error, self._redis_error_at = f"redis unreachable: {e}", time.monotonic()
                 log.warning("redis unreachable (%s); claiming again in %.1f s", e, delay)
                 await _first(self._stopping.wait(), timeout=delay * (0.5 + random.random()))
                 delay = min(delay * 2, 5.0)
@@ -216,21 +236,42 @@ class Worker:
         claimed = [c for c in claimed if c.key not in self._held]
         if not claimed:
             return
-        for c in claimed:
-            header = peek_header(c.data) if c.data else None
-            if header is not None and 1 <= header.n <= MAX_N:
-                c.n = self._typical_n = header.n
+        # Decoded once here: the group's n sizes the claims, the item is what is served.
+        items = [decode(c) for c in claimed]
+        for c, item in zip(claimed, items):
+            if isinstance(item, WorkItem):
+                c.n = self._typical_n = item.n
         states = await self.queue.job_states(claimed)
-        for c in claimed:
-            task = asyncio.create_task(self._run_group(c, states.get(c.key)))
+        at_once, engine_at_once = [], self.engine.at_once
+        for c, item in zip(claimed, items):
+            state = states.get(c.key)
+            if engine_at_once and self._at_once(c, item, state):
+                at_once.append((c, item))
+                continue
+            task = asyncio.create_task(self._run_group(c, item, state))
             self._held[c.key] = _Held(c, task)
+        if at_once:
+            task = asyncio.create_task(self._run_batch(at_once))
+            for c, _ in at_once:
+                self._held[c.key] = _Held(c, task)
+
+    def _at_once(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> bool:
+        """May this group be served in one task with others of its claim? When the engine
+        answers at once (`Engine.at_once`: it never suspends) and nothing before it may wait:
+        the gate is open, the loaded version serves it, and it is neither to be dead-lettered,
+        cancelled, nor past its deadline. Then a batch of groups is generated within one event
+        loop turn (no swap nor cancellation can come between), and finished with one call."""
+        return (isinstance(item, WorkItem) and self.admission.is_open
+                and c.deliveries <= self.max_deliveries and job_state is not JobState.CANCELLED
+                and (not item.deadline or item.deadline > time.time())
+                and self.server.serve_loaded(item) is not None)
 
     # --- one group ---------------------------------------------------------------------------
 
-    async def _run_group(self, c: Claimed, job_state: JobState | None) -> None:
+    async def _run_group(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> None:
         engine_died = False
         try:
-            await self._serve(c, job_state)
+            await self.server.serve(c, item, job_state)
         except EngineDead as e:
             # Stays held: shutdown hands it back, counted as a delivery, with the error.
             engine_died = True
@@ -246,132 +287,54 @@ class Worker:
             else:
                 log.exception("group %s/%s failed unexpectedly; handing it back", c.job_id, c.group_index)
             self.stats.error()
-            await self._release_quietly([c], error=f"{type(e).__name__}: {e}", refund=False)
+            await self.server.release_quietly([c], error=f"{type(e).__name__}: {e}", refund=False)
         finally:
             # Also when cancelled (a lost lease, a cancelled job): a slot that is never given
             # back leaves a full worker waiting to claim forever.
             held = self._held.get(c.key)
-            if not engine_died and held is not None and held.task is asyncio.current_task():
+            if not engine_died and held is not None and held.claimed is c:  # not a later claim's
                 del self._held[c.key]
             self._slot_freed.set()
 
-    async def _serve(self, c: Claimed, job_state: JobState | None) -> None:
-        if c.deliveries > self.max_deliveries:
-            why = c.last_error or "its lease lapsed each time (worker died or stalled)"
-            return await self._fail(c, f"gave up after {c.deliveries - 1} deliveries; last error: {why}",
-                                    dead=True)
-        if c.data is None:
-            return await self._fail(c, "work entry has no payload field 'd'", dead=True)
+    async def _run_batch(self, batch: list[tuple[Claimed, WorkItem]]) -> None:
+        """Groups `_at_once` chose: generated one after the other (the engine answers at once),
+        then finished together. Each group ends as it would in `_run_group`."""
+        finishing: list[tuple[Claimed, GroupResult, str]] = []
+        handed_back: list[tuple[Claimed, str]] = []
+        engine_died = False
         try:
-            item = decode_item(c.data)
-        except InvalidInput as e:
-            header = peek_header(c.data)
-            if header is not None and c.job_id is None:
-                c.job_id, c.group_index = header.job_id, header.group_index
-            return await self._fail(c, str(e), dead=True)
-        c.job_id, c.group_index = item.job_id, item.group_index
-        if job_state is JobState.CANCELLED:
-            return await self._finish(c, _cancelled(c, self.worker_id, prompt=item.prompt))
-        result = await self._generate(c.key, item)
-        if result is None:  # another worker (or a later version) serves it
-            await self._release_quietly([c], error="", refund=True)
-            return
-        await self._finish(c, result)
-
-    async def _generate(self, key: tuple[str, str], item: WorkItem) -> GroupResult | None:
-        """Generate the group under a version in its window; None: hand it back."""
-        deadline = item.deadline - time.time() if item.deadline else None
-        partial = dict(job_id=item.job_id, group_index=item.group_index, prompt=item.prompt,
-                       worker_id=self.worker_id)
-        if deadline is not None and deadline <= 0:
-            return GroupResult(status="expired", reason="deadline passed before generation", **partial)
-        started = time.time()
-        try:
-            # (no Timeout object without a deadline: it showed in the per-group profile)
-            async with asyncio.timeout(deadline) if deadline is not None else contextlib.nullcontext():
-                while True:
-                    async with self._engine_slots, self.admission.generation(key, item):
-                        verdict = await self._decide(item)
-                        if verdict.decision is Decision.SERVE:
-                            started = time.time()
-                            generated = await (self.engine.generate_group(item) if verdict.version is None
-                                               else self.adapters.generate(item, verdict.version))
-                            break
-                    if verdict.decision is Decision.WAIT_SWAP:
-                        await self.admission.changed(WAIT_SWAP_RECHECK_S)
-                        continue
-                    if verdict.decision is Decision.PASS:
-                        return None
-                    return GroupResult(status="failed", reason=verdict.reason, **partial)
-        except TimeoutError:
-            return GroupResult(status="expired", reason="deadline passed during generation", **partial)
-        except GroupError as e:
-            return GroupResult(status="failed", reason=str(e), **partial)
-        outside = _outside_window(item, generated.samples)
-        if outside:  # must never happen: refuse to deliver rather than mislabel
-            log.error("group %s/%s: %s", item.job_id, item.group_index, outside)
-            return GroupResult(status="failed", reason=f"internal error: {outside}", **partial)
-        partial["prompt"] = generated.prompt
-        return GroupResult(status="ok", samples=generated.samples, prompt_scores=generated.prompt_scores,
-                           image_tokens=generated.image_tokens,
-                           queued_s=max(0.0, started - item.submitted_at),
-                           generation_s=time.time() - started, finished_at=time.time(), **partial)
-
-    async def _decide(self, item: WorkItem) -> Verdict:
-        newest = self.newest
-        if item.max_staleness is not None:  # "newest" must be exact when staleness is bounded
-            newest = self.newest = await self.registry.latest()
-        if self.adapters is not None:  # an adapter version in the window is newer than `loaded`
-            verdict = await self.adapters.decide(item, newest)
-            if verdict is not None:
-                return verdict
-        loaded = self.engine.version
-        if in_window(item, loaded, loaded if newest is None else max(newest, loaded)):
-            return Verdict(Decision.SERVE)
-        return decide(item, loaded=loaded, pinned=self.pinned, newest=newest,
-                      pinned_elsewhere=await self._pinned_peers(), cannot_load=self.cannot_load,
-                      target=self.heartbeat.target)
-
-    async def _pinned_peers(self) -> set[int]:
-        at, versions = self._peers
-        if time.monotonic() - at > PEERS_CACHE_S:
-            peers = [w for w in await live_workers(self.queue.redis, self.queue.keys)
-                     if w.worker_id != self.worker_id]
-            # Pinned peers serve their version forever; a follower swapping to a version will
-            # serve it until it moves on (issue 21: do not fail what it is about to load).
-            versions = {w.version for w in peers if w.pinned} | {w.target for w in peers
-                                                                  if w.target is not None}
-            # A pinned worker that is restarting has no heartbeat: its version stays servable
-            # for a grace period, so groups only it can serve wait instead of failing.
-            versions |= await recently_pinned(self.queue.redis, self.queue.keys)
-            self._peers = (time.monotonic(), versions)
-        return versions
-
-    async def _fail(self, c: Claimed, reason: str, *, dead: bool) -> None:
-        log.warning("group %s/%s failed: %s", c.job_id, c.group_index, reason)
-        result = GroupResult(c.job_id or "", -1 if c.group_index is None else c.group_index,
-                             "failed", reason=reason, worker_id=self.worker_id)
-        await self._finish(c, result, dead_reason=reason if dead else "")
-
-    async def _finish(self, c: Claimed, result: GroupResult, dead_reason: str = "") -> None:
-        """Write the result; through a Redis outage, retried while the lease would still hold
-        (fencing makes a late or repeated write a no-op)."""
-        give_up, delay = time.monotonic() + self.lease_s, 0.1
-        while True:
-            try:
-                outcome = await self.queue.finish(c, result.status, encode(result), dead_reason=dead_reason)
-                break
-            except (RedisConnectionError, RedisTimeoutError) as e:
-                if time.monotonic() > give_up:
+            for c, item in batch:
+                c.job_id, c.group_index = item.job_id, item.group_index
+                try:
+                    finishing.append((c, await self.server.generate_at_once(item), ""))
+                except EngineDead:
                     raise
-                log.warning("writing group %s/%s: redis unreachable (%s); retrying", c.job_id,
-                            c.group_index, e)
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
-        if outcome is not Reply.OK:
-            log.warning("group %s/%s: result not written (%s)", c.job_id, c.group_index, outcome)
+                except Exception as e:
+                    log.exception("group %s/%s failed unexpectedly; handing it back", c.job_id,
+                                  c.group_index)
+                    self.stats.error()
+                    handed_back.append((c, f"{type(e).__name__}: {e}"))
+            for c, error in handed_back:
+                await self.server.release_quietly([c], error=error, refund=False)
+            await self.server.finish_many(finishing)
+        except EngineDead as e:
+            # They stay held: shutdown hands them back, counted as a delivery, with the error.
+            engine_died = True
+            self._fatal = e
+            self._stopping.set()
+            self._hurry.set()
             return
-        self.stats.result(result, max(self.newest or 0, self.engine.version), dead=bool(dead_reason))
+        except Exception as e:
+            log.warning("%d groups: %s: %s; handing them back", len(finishing), type(e).__name__, e)
+            self.stats.error()
+            await self.server.release_quietly([c for c, *_ in finishing], error=f"{type(e).__name__}: {e}",
+                                        refund=False)
+        finally:
+            for c, _ in batch:
+                held = self._held.get(c.key)
+                if not engine_died and held is not None and held.claimed is c:
+                    del self._held[c.key]
+            self._slot_freed.set()
 
     # --- leases, cancellation, shutdown ------------------------------------------------------
 
@@ -407,7 +370,7 @@ class Worker:
                 h.task.cancel()
                 await asyncio.gather(h.task, return_exceptions=True)
                 c = h.claimed
-                await self._finish(c, _cancelled(c, self.worker_id))
+                await self.server.finish(c, cancelled(c, self.worker_id))
                 self._held.pop(c.key, None)
                 self._slot_freed.set()
 
@@ -434,33 +397,16 @@ class Worker:
         await asyncio.gather(*(h.task for h in left), return_exceptions=True)
         if left:
             error = f"EngineDead: {self._fatal}" if self._fatal else ""
-            n = await self._release_quietly([h.claimed for h in left], error=error,
+            n = await self.server.release_quietly([h.claimed for h in left], error=error,
                                             refund=self._fatal is None)
             log.info("handed back %d of %d groups for other workers", n, len(left))
 
-    async def _release_quietly(self, items: list[Claimed], *, error: str, refund: bool) -> int:
-        try:
-            return await self.queue.release(items, error=error, refund=refund)
-        except RedisError as e:
-            log.warning("could not hand back %d groups (%s); their leases will lapse", len(items), e)
-            return 0
 
 
-def _cancelled(c: Claimed, worker_id: str, prompt: bytes = b"") -> GroupResult:
-    """The result of a group whose job was cancelled (before it started or while it ran);
-    group index -1 when the entry never named one, as for other failures."""
-    return GroupResult(c.job_id or "", -1 if c.group_index is None else c.group_index, "cancelled",
-                       reason="job cancelled", prompt=prompt, worker_id=worker_id)
 
 
-def _outside_window(item: WorkItem, samples: list[Sample]) -> str:
-    for i, sample in enumerate(samples):
-        for version, _ in sample.versions:
-            if version < item.min_version or (item.max_version is not None
-                                              and version > item.max_version):
-                return (f"sample {i} has tokens of version {version}, outside "
-                        f"[{item.min_version}, {item.max_version}]")
-    return ""
+
+
 
 
 async def _first(*aws, timeout: float | None = None) -> None:

@@ -15,7 +15,11 @@ import signal
 import sys
 import time
 
+from rollq.children import reap_group
+
 log = logging.getLogger("rollq.pool")
+
+__all__ = ["Pool", "describe_exit", "reap_group"]
 
 HEALTHY_UPTIME_S = 60.0
 """A worker that ran this long before dying is restarted at once (backoff reset)."""
@@ -25,16 +29,6 @@ def describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return "exited cleanly" if code == 0 else f"exited with code {code}"
-
-
-def reap_group(pgid: int) -> None:
-    """Kill what a dead worker leaves behind in its process group (its engine-core processes).
-
-    vLLM's engine core outlives a SIGKILLed parent, holding its memory (and, on a GPU, the
-    device): a restarted worker would find the device full.
-    """
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 class Pool:

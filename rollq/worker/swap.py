@@ -38,7 +38,7 @@ from rollq.registry.safetensors_check import (Schema, WeightError, check_compati
 from rollq.registry.store import check_digest, refuse_links, refuse_unsafe
 from rollq.registry.versions import Registry
 from rollq.worker.resident import ResidentAdapters
-from rollq.worker.windows import interruptible, keepable
+from rollq.worker.windows import crossing
 
 if TYPE_CHECKING:
     from rollq.worker.loop import Worker
@@ -160,28 +160,27 @@ async def swap_to(worker: Worker, entry: VersionEntry, path: Path, mode: SwapMod
 
     `verify_s`: time already spent checking the files, reported with the other phases.
     """
-    version, began = entry.version, time.monotonic()
-    worker.state = "draining"
-    adapters = worker.adapters
-    crosses = {"drain": lambda item, version: False, "interrupt": interruptible, "keep": keepable}[mode]
+    version, began, versions = entry.version, time.monotonic(), worker.versions
+    versions.moving("draining")
+    adapters = versions.adapters
+    crosses = crossing(mode, worker.engine)
     # Groups that may not cross this swap finish first: the job declines the mode, the new
     # version is outside the window, an interrupted continuation would not be exact, or the
     # group runs on an adapter (it applies on the weights being replaced).
     await worker.admission.close(lambda item: not crosses(item, version) or (
         adapters is not None and id(item) in adapters.serving))
     phases = {"verify": verify_s, "drain": time.monotonic() - began}
-    worker.state = "swapping"
+    versions.moving("swapping")
     try:
         phases |= await worker.engine.swap(version, str(path), interrupt=mode == "interrupt",
                                            keep=mode == "keep")
     except Exception as e:  # the engine is back on its old weights (or dead); report, never retry
-        worker.cannot_load.add(version)
-        worker.last_error = f"swap to version {version} failed: {type(e).__name__}: {e}"
+        versions.refuse(version, f"swap to version {version} failed: {type(e).__name__}: {e}")
         worker.stats.swap(False, time.monotonic() - began, phases)
-        log.error("%s; still serving version %d", worker.last_error, worker.engine.version)
+        log.error("%s; still serving version %d", versions.last_error, worker.engine.version)
         return False
     finally:
-        worker.state = "serving"
+        versions.moving("serving")
         worker.admission.reopen()
     log.info("now serving version %d (%s swap, %.2f s: %s)", version, mode, time.monotonic() - began,
              ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
@@ -203,10 +202,12 @@ class VersionFollower:
         version's check must not queue behind whatever else the process runs in threads."""
         self.loaded: tuple[int, Path] | None = None
         """The version the engine serves from a snapshot of ours (None: the start-up weights)."""
+        self.versions = worker.versions
+        """Written here (and by the adapters served beside the loaded version); the worker reads it."""
         self.adapters: ResidentAdapters | None = None
         if getattr(worker.engine, "max_loras", 0):  # started with adapter support
-            self.adapters = worker.adapters = ResidentAdapters(worker, registry, self.snapshots,
-                                                               base_schema)
+            self.adapters = ResidentAdapters(worker, registry, self.snapshots, base_schema)
+            self.versions.serve_adapters(self.adapters)
             worker.heartbeat.adapters = self.adapters.loaded  # read at each beat
 
     async def run(self) -> None:
@@ -233,25 +234,24 @@ class VersionFollower:
             self._checker.shutdown(wait=False)
 
     async def catch_up(self) -> None:
-        newest = await self.registry.latest()
-        self.worker.newest = newest
+        versions = self.versions
+        newest = await versions.read_newest()
         engine = self.worker.engine
         if self.adapters is not None:  # also notices adapters retention deregistered
             await self.adapters.refresh(newest)
-        if newest is None or newest <= engine.version or newest in self.worker.cannot_load:
+        if newest is None or newest <= engine.version or newest in versions.cannot_load:
             return
         target = newest
         try:
             target = await self._full_target(newest)
-            if target is not None and target > engine.version and target not in self.worker.cannot_load:
+            if target is not None and target > engine.version and target not in versions.cannot_load:
                 await self._follow(target)
         except RedisError:  # Redis trouble is not the version's fault: run() retries
             raise
         except Exception as e:  # a hostile file, a bug, the engine: whatever it is, the follower
             # must live on (else the worker never follows again) and never retry this version
-            self.worker.cannot_load.add(target)
-            self.worker.last_error = f"version {target} refused: {type(e).__name__}: {e}"
-            log.error("%s; still serving version %d", self.worker.last_error, engine.version)
+            versions.refuse(target, f"version {target} refused: {type(e).__name__}: {e}")
+            log.error("%s; still serving version %d", versions.last_error, engine.version)
 
     async def _full_target(self, newest: int) -> int | None:
         """The full version to swap to for the newest version (None: none). An adapter version
@@ -261,12 +261,13 @@ class VersionFollower:
         entry = known.get(newest) or await self.registry.get(newest)
         if entry is None or entry.kind == "full":
             return newest
-        engine, cannot_load = self.worker.engine, self.worker.cannot_load
+        engine = self.worker.engine
         if self.adapters is None or entry.base < engine.version:
-            cannot_load.add(newest)  # never servable here: no window waits for this worker on it
-            log.warning("version %d is an adapter on version %d: %s", newest, entry.base,
-                        "this worker has no adapter support (--enable-lora)" if self.adapters is None
-                        else f"this worker serves version {engine.version} already")
+            # Never servable here: no window waits for this worker on it.
+            why = ("this worker has no adapter support (--enable-lora)" if self.adapters is None
+                   else f"this worker serves version {engine.version} already")
+            self.versions.skip(newest)
+            log.warning("version %d is an adapter on version %d: %s", newest, entry.base, why)
             return None
         if entry.base == engine.version:
             await self.adapters.load(newest)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollq.protocol import WorkItem
+from rollq.engine.base import Engine
+from rollq.protocol import SwapMode, WorkItem
 
 
 class Decision(enum.Enum):
@@ -61,21 +63,16 @@ def decide(item: WorkItem, *, loaded: int, pinned: bool, newest: int | None,
                                   f"is {newest} and no live worker is pinned to a version in it")
 
 
-def interruptible(item: WorkItem, version: int) -> bool:
-    """May a running group be interrupted and continued, token-exactly, under `version`?
+def interruptible(item: WorkItem, version: int, engine: Engine) -> bool:
+    """May a running group be interrupted and continued under `version`?
 
     Not when the job declines it (`sampling.swap_modes`), the window excludes `version`, nor
-    when continuing from "prompt + tokens so far" would change the sampling: a regex restarts
-    its automaton, presence/frequency penalties count only generated tokens, `extra` may hold
-    anything, and a seeded sample continued under another seed would not be the sample its
-    seed promises (drained, it is exact); nor when the group has images (a continuation from
-    token ids alone would drop them).
+    when the engine cannot continue its samples token-exactly from "prompt + tokens so far"
+    (`Engine.continues_exactly`: a seed, a regex, penalties, images on vLLM).
     """
     if item.max_version is not None and item.max_version < version:
         return False
-    s = item.sampling
-    return ("interrupt" in s.swap_modes and s.seed is None and not s.regex and not s.extra
-            and not item.images and s.presence_penalty == 0 and s.frequency_penalty == 0)
+    return "interrupt" in item.sampling.swap_modes and engine.continues_exactly(item)
 
 
 def keepable(item: WorkItem, version: int) -> bool:
@@ -86,3 +83,12 @@ def keepable(item: WorkItem, version: int) -> bool:
     with it)."""
     return "keep" in item.sampling.swap_modes and (item.max_version is None
                                                    or item.max_version >= version)
+
+
+def crossing(mode: SwapMode, engine: Engine) -> Callable[[WorkItem, int], bool]:
+    """For a swap in `mode`: may a running group (item) go on across the swap to a version?"""
+    if mode == "interrupt":
+        return lambda item, version: interruptible(item, version, engine)
+    if mode == "keep":
+        return keepable
+    return lambda item, version: False
