@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = ("wire", "submit", "dispatch", "scale", "passthrough", "swap")
+BENCHES = ("wire", "submit", "dispatch", "scale", "passthrough", "swap", "episodes")
 BEGIN, END = "<!-- rollq bench: begin -->", "<!-- rollq bench: end -->"
 
 
@@ -143,12 +143,31 @@ def _swap(r: dict) -> list[str]:
     return rows
 
 
+def episodes_table(r: dict) -> list[str]:
+    rows = [f"{r['episodes']} episodes x {r['turns']} turns on 2 vLLM workers (prompt {r['prompt']}, "
+            f"+{r['new']} new and {r['sampled']} sampled tokens per turn, KV blocks of "
+            f"{r['block_size']} tokens); turns 2..{r['turns']}:", "",
+            "| affinity | prefix-cache hit rate (vLLM) | turns on another worker | mean time per turn | "
+            "first turns per worker |", "|---|---|---|---|---|"]
+    for run in r["runs"]:
+        rows.append(f"| {'on' if run['affinity'] else 'off'} | {run['hit_rate']:.1%} | "
+                    f"{run['turns_elsewhere']} of {run['turns']} | {run['turn_s_mean'] * 1e3:.0f} ms | "
+                    f"{sorted(run['episodes_per_worker'].values())} |")
+    f = r["fresh"]
+    rows += ["", f"A fresh request of the same total length (nothing cached), {f['requests']} in the "
+                 f"same waves: {f['request_s_mean'] * 1e3:.0f} ms mean.",
+             f"Target: hit rate >= 80 % with affinity: "
+             f"{'met' if r['runs'][0]['hit_rate'] >= 0.8 else 'missed'}."]
+    return rows
+
+
 def _probe_ms(a: dict) -> str:
     return f", the probe's one token {a['generation_s'] * 1000:.1f} ms" if "generation_s" in a else ""
 
 
 _RENDER = {"wire": _wire, "submit": _submit, "dispatch": _dispatch, "scale": _scale,
-           "passthrough": _passthrough, "swap": _swap}
+           "passthrough": _passthrough, "swap": _swap,
+           "episodes": episodes_table}
 
 
 def results_dir() -> Path:

@@ -282,8 +282,8 @@ def status(redis_url: str, policy: str | None) -> None:
 
 
 @main.command()
-@click.option("--steps", default=40, show_default=True, help="GRPO steps of each run.")
-@click.option("--groups", default=16, show_default=True, help="Prompt groups per step.")
+@click.option("--steps", type=int, default=None, help="GRPO steps of each run [40; tools: 16].")
+@click.option("--groups", type=int, default=None, help="Prompt groups per step [16; tools: 8].")
 @click.option("--n", default=8, show_default=True, help="Samples per group.")
 @click.option("--staleness", default=2, show_default=True, help="The async run's bound.")
 @click.option("--out", "out_dir", default="demo-output", show_default=True, type=click.Path())
@@ -292,11 +292,22 @@ def status(redis_url: str, policy: str | None) -> None:
 @click.option("--port", default=8000, show_default=True,
               help="The dashboard's port (another free one if taken); 0: no gateway.")
 @click.option("--hold", is_flag=True, help="Keep the dashboard up after the runs, until Ctrl-C.")
-def demo(steps: int, groups: int, n: int, staleness: int, out_dir: str, redis_url: str | None,
-         port: int, hold: bool) -> None:
-    """Asynchronous GRPO on CPU: a synchronous and an asynchronous run, side by side."""
+@click.option("--task", type=click.Choice(["even", "tools"]), default="even", show_default=True,
+              help="even: single-turn GRPO, synchronous vs asynchronous; tools: GRPO over "
+                   "multi-turn tool-use episodes (examples/tool_agent.py; --steps, --groups, --n).")
+def demo(steps: int | None, groups: int | None, n: int, staleness: int, out_dir: str, redis_url: str | None,
+         port: int, hold: bool, task: str) -> None:
+    """Asynchronous GRPO on CPU: a synchronous and an asynchronous run, side by side
+    (or, with --task tools, multi-turn tool-use episodes)."""
     from rollq.demo import DemoSettings
     from rollq.demo import demo as run_demo
+
+    if task == "tools":
+        from rollq.demo_tools import tools_demo
+
+        asyncio.run(tools_demo(steps or 16, out_dir, redis_url, groups=groups or 8, n=n))
+        return
+    steps, groups = steps or 40, groups or 16
 
     settings = DemoSettings(steps=steps, groups=groups, n=n, staleness=staleness,
                             out_dir=Path(out_dir), redis_url=redis_url, gateway_port=port, hold=hold)

@@ -47,6 +47,7 @@ from rollq.protocol import (
     pack_tokens,
     unpack_floats,
     unpack_tokens,
+    VersionWindow,
     validate_n,
     validate_window,
 )
@@ -208,14 +209,15 @@ class Episodes:
         served by the version that served its first turn, unless `move` (then by any version of
         the window, never an older one than the last turn's; `Episode.token_versions` says which).
         """
-        from rollq.client import _sampling, _window as client_window
+        from rollq.client import _sampling
 
         validate_n(n)
         episode_id = check_id("episode_id", episode_id) if episode_id else uuid.uuid4().hex
         if len(episode_id) > MAX_EPISODE_ID_CHARS:  # room for a branch and a turn in the job ids
             raise InvalidInput("episode_id", f"is {len(episode_id)} characters; the limit is "
                                              f"{MAX_EPISODE_ID_CHARS}")
-        lo, hi, staleness = client_window(min_version, max_version, exact_version, max_staleness)
+        lo, hi, staleness = VersionWindow(min_version=min_version, max_version=max_version,
+                                          exact_version=exact_version, max_staleness=max_staleness).resolve()
         settings = _sampling(sampling)
         if not move:  # a sample crossing a swap would have two versions: drain instead
             settings = msgspec.structs.replace(settings, swap_modes=("drain",))

@@ -19,12 +19,14 @@ from rollq.episodes import Episode, EpisodeError, Episodes, Turn, chat_continuat
 from rollq.gateway.api import _context
 from rollq.gateway.http import ApiError, read_body, reply
 from rollq.gateway.state import Gateway
-from rollq.protocol import InvalidInput
+from rollq.protocol import InvalidInput, VersionWindow
 from rollq.queue.keys import Keys
 from rollq.queue.workers import live_workers
 
 
-class EpisodeStartRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class EpisodeStartRequest(VersionWindow, kw_only=True, forbid_unknown_fields=True):
+    """Its version window: the fields of `VersionWindow`."""
+
     prompt: list[int] | None = None
     """Token ids; or `messages` (needs the gateway's tokenizer)."""
     messages: list[dict[str, Any]] | None = None
@@ -32,10 +34,6 @@ class EpisodeStartRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     """Branches: one group of n samples, each branch going on on its own."""
     sampling: dict[str, Any] | None = None
     episode_id: str | None = None
-    min_version: int | None = None
-    max_version: int | None = None
-    exact_version: int | None = None
-    max_staleness: int | None = None
     move: bool = False
     """Later turns may be served by a newer version of the window (recorded per token)."""
     ttl_s: int = 600
@@ -151,9 +149,8 @@ async def start_episode(request: web.Request) -> web.Response:
     prompt = _tokens(gw, body.prompt, body.messages, body.chat_template_kwargs, first=True)
     await _served(gw, episodes.keys.policy)
     turns = await _guarded(body.episode_id or "", episodes.start(
-        prompt, body.n, body.sampling, episode_id=body.episode_id, min_version=body.min_version,
-        max_version=body.max_version, exact_version=body.exact_version,
-        max_staleness=body.max_staleness, move=body.move, ttl_s=body.ttl_s, deadline_s=body.deadline_s))
+        prompt, body.n, body.sampling, episode_id=body.episode_id, **body.asked(), move=body.move,
+        ttl_s=body.ttl_s, deadline_s=body.deadline_s))
     return reply(request, TurnsView([turn_view(t) for t in turns]), status=201)
 
 

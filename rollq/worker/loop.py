@@ -118,12 +118,6 @@ class Worker:
         v = self.versions
         return v.last_error if v.error_at >= self._redis_error_at else self._redis_error
 
-    @last_error.setter
-    def last_error(self, reason: str) -> None:
-        # Kept for ResidentAdapters, which reports a refused adapter here (and adds it to
-        # `cannot_load`); `versions.refuse(version, reason)` says both in one call.
-        self.versions.failed(reason)
-
     def stop(self) -> None:
         """First call: stop claiming and shut down in stages. Second call: skip the grace period."""
         if self._stopping.is_set():

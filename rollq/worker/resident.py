@@ -146,9 +146,8 @@ class ResidentAdapters:
         except Exception as e:  # a hostile or wrong adapter: refused for good, the worker goes on
             self.snapshots.drop(snapshot)
             self.refused[version] = f"adapter version {version} refused: {e}"
-            worker.cannot_load.add(version)
-            worker.last_error = self.refused[version]
-            log.error("%s; still serving version %d", worker.last_error, worker.engine.version)
+            worker.versions.refuse(version, self.refused[version])
+            log.error("%s; still serving version %d", self.refused[version], worker.engine.version)
             return False
         finally:
             worker.heartbeat.holds.discard(version)
