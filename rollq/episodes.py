@@ -353,17 +353,26 @@ class Episodes:
 
     async def _routed_stream(self, worker: str | None, window) -> str | None:
         """Prefix-cache affinity: the worker that served the last turn, if it is alive, serving
-        (not swapping) and on the turn's exact version."""
+        (not swapping), on the turn's exact version and has room: the turns waiting or running on
+        its routed stream leave one of its slots (max_inflight) free. A full worker's turn goes to
+        any worker: its cache is lost, never its time. (Its other groups are not counted: the
+        heartbeat's count is up to a third of a lease old, too stale to route by.)"""
         lo, hi, _ = window
         if not worker or lo != hi:
             return None
-        beat = await self.client.redis.get(self.keys.worker(worker))
+        stream = self.keys.routed_work(self._submitter.trainer_id, worker, lo)
+        async with self.client.redis.pipeline(transaction=False) as pipe:
+            pipe.get(self.keys.worker(worker))
+            pipe.xlen(stream)
+            beat, routed = await pipe.execute()
         if beat is None:
             return None
         state = msgspec.json.decode(beat, type=WorkerState)
         if state.state != "serving" or state.version != lo or state.target is not None:
             return None
-        return self.keys.routed_work(self._submitter.trainer_id, worker, lo)
+        if state.capacity is not None and routed >= state.capacity:
+            return None
+        return stream
 
     async def _apply(self, job_id: str, branches: list[str], new_tokens: list[int],
                      result: GroupResult | None, reason: str = "") -> None:

@@ -6,12 +6,15 @@ import asyncio
 import math
 
 import pytest
+from helpers import wait_until
 
 from rollq.engine.instant import FAIL_TOKEN, expected_tokens
 from rollq.episodes import EpisodeError
 from rollq.engine.instant import InstantEngine
 from rollq.protocol import InvalidInput, VersionEntry, pack_tokens
-from rollq.queue.names import EpisodeField, EpisodeState
+from rollq.queue.keys import Keys
+from rollq.queue.names import EpisodeField, EpisodeState, Group
+from rollq.queue.work import WorkQueue
 from rollq.registry.retention import needed_by_episodes, retain
 
 SAMPLING = {"max_tokens": 5}
@@ -162,6 +165,51 @@ async def test_turns_go_to_the_worker_that_served_the_previous_one(make_client, 
     assert await redis.hlen(client.keys.routed) == 2
     await episodes.close()
     await loose.close()
+
+
+async def test_a_turn_for_a_full_worker_goes_to_any_worker(make_client, make_worker, redis):
+    """Affinity only while the worker has room: with its one slot taken by another episode's
+    turn, a turn goes to the shared stream and an idle worker serves it (its cache is lost,
+    never its time)."""
+    make_worker("full", delay_s=1.0, max_inflight=1)
+    client = make_client()
+    episodes = client.episodes()
+    [a] = await episodes.start([1, 2], sampling=SAMPLING)
+    [b] = await episodes.start([3, 4], sampling=SAMPLING)
+    assert a.worker_id == b.worker_id == "full"
+    make_worker("idle", max_inflight=4)
+    routed = client.keys.routed_work(episodes._submitter.trainer_id, "full", 0)
+    first = asyncio.create_task(episodes.turn(a.episode_id, [5]))
+    try:
+        await wait_until(lambda: _held_on(redis, routed), what="the first turn held by its worker")
+        second = await episodes.turn(b.episode_id, [6])
+        assert second.worker_id == "idle"
+        assert (await first).worker_id == "full"
+    finally:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await episodes.close()
+
+
+async def _held_on(redis, stream: str) -> bool:
+    return bool(await redis.exists(stream)) and (await redis.xpending(stream, Group.WORKERS))["pending"] == 1
+
+
+async def test_a_worker_claims_turns_routed_to_it_before_shared_groups(redis, policy):
+    """With one free slot and both a routed turn and a shared group waiting, the routed turn
+    (its prefix cache is here) is claimed first, whatever the round-robin's rotation."""
+    keys = Keys(policy)
+    queue = WorkQueue(redis, keys, "w1", job_ttl_s=60)
+    shared, mine = keys.work("t"), keys.routed_work("t", "w1", 0)
+    for stream in (shared, mine):
+        await queue.ensure_group(stream)
+    for _ in range(4):  # every rotation of the round-robin
+        await redis.xadd(shared, {"x": b"s"})
+        await redis.xadd(mine, {"x": b"m"})
+        [claimed] = await queue.claim([shared, mine], 1)
+        assert claimed.stream == mine
+        [claimed] = await queue.claim([shared, mine], 1)
+        assert claimed.stream == shared
 
 
 async def test_a_worker_killed_mid_episode_the_episode_goes_on_elsewhere(make_client, spawn_worker, redis):

@@ -150,6 +150,32 @@ class WorkQueue:
         waiting and `block_ms` is set, blocks until some stream has an entry; that read may
         return one entry per stream, so up to len(streams) - 1 more than `free`.
         """
+        # Turns routed to this worker first (their prefix cache is here): round-robin over
+        # all streams could take a shared group into the last free slot and leave a routed
+        # turn waiting while another worker idles.
+        mine = [s for s in streams if (route := self.keys.route_of(s)) and route[1] == self.consumer]
+        got = await self._claim_shares(mine, free) if mine else []
+        if len(got) < free:
+            got += await self._claim_shares([s for s in streams if s not in mine], free - len(got))
+        if got or not block_ms or not streams:
+            return got
+        try:
+            reply = await self.redis.xreadgroup(
+                Group.WORKERS, self.consumer, {s: ">" for s in streams}, count=1, block=block_ms
+            )
+        except ResponseError as e:
+            # UNBLOCKED: the stream was deleted while we blocked on it (a wiped Redis).
+            if not str(e).startswith(("NOGROUP", "UNBLOCKED")):
+                raise
+            for stream in streams:
+                await self.ensure_group(stream)
+            return []
+        for stream, entries in reply or []:
+            got.extend(_entry(_text(stream), eid, fields) for eid, fields in entries)
+        return got
+
+    async def _claim_shares(self, streams: list[str], free: int) -> list[Claimed]:
+        """Up to `free` new entries, an equal share from each stream (see `claim`)."""
         got: list[Claimed] = []
         candidates = list(streams)
         while candidates and len(got) < free:
@@ -174,21 +200,6 @@ class WorkQueue:
                 got.extend(_entry(stream, eid, fields) for eid, fields in entries)
                 if len(entries) == count:  # may hold more: eligible for unused shares
                     candidates.append(stream)
-        if got or not block_ms or not streams:
-            return got
-        try:
-            reply = await self.redis.xreadgroup(
-                Group.WORKERS, self.consumer, {s: ">" for s in streams}, count=1, block=block_ms
-            )
-        except ResponseError as e:
-            # UNBLOCKED: the stream was deleted while we blocked on it (a wiped Redis).
-            if not str(e).startswith(("NOGROUP", "UNBLOCKED")):
-                raise
-            for stream in streams:
-                await self.ensure_group(stream)
-            return []
-        for stream, entries in reply or []:
-            got.extend(_entry(_text(stream), eid, fields) for eid, fields in entries)
         return got
 
     async def reclaim(self, streams: list[str], lease_ms: int, count: int) -> list[Claimed]:

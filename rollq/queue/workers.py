@@ -60,6 +60,8 @@ class WorkerState(msgspec.Struct, frozen=True):
     """The version this worker is verifying, draining toward or loading (None: no swap)."""
     adapters: list[int] = []
     """Adapter versions loaded in its engine beside `version`, served without a swap."""
+    capacity: int | None = None
+    """Groups it holds at most (max_inflight); None from a worker that does not say."""
 
 
 async def live_workers(redis: Redis, keys: Keys) -> list[WorkerState]:

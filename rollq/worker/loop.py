@@ -346,7 +346,7 @@ class Worker:
         self.stats.version.set(self.engine.version)
         await self.heartbeat.beat(version=self.engine.version, inflight=len(self._held),
                                   state=self.state, last_error=self.last_error, pinned=self.pinned,
-                                  totals=self.stats.totals)
+                                  totals=self.stats.totals, capacity=self.max_inflight)
 
     async def _renew_once(self) -> None:
         await self._hand_back_unheld()
