@@ -349,7 +349,7 @@ class Episodes:
             jobs.enqueue, self.client.redis, submitter.scripts, self.keys, trainer=submitter.trainer_id,
             job_id=job_id, items=[item], quota=submitter.max_outstanding,
             byte_quota=submitter.max_outstanding_bytes, deadline=deadline, meta=encode_meta(None),
-            min_version=window[0], max_version=window[1], stream=stream)
+            min_version=window[0], max_version=window[1], stream=stream, routed=True)
 
     async def _routed_stream(self, worker: str | None, window) -> str | None:
         """Prefix-cache affinity: the worker that served the last turn, if it is alive, serving

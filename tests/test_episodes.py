@@ -12,7 +12,9 @@ from rollq.engine.instant import FAIL_TOKEN, expected_tokens
 from rollq.episodes import EpisodeError
 from rollq.engine.instant import InstantEngine
 from rollq.protocol import InvalidInput, VersionEntry, pack_tokens
+from rollq.queue import jobs
 from rollq.queue.keys import Keys
+from rollq.queue.scripts import Scripts
 from rollq.queue.names import EpisodeField, EpisodeState, Group
 from rollq.queue.work import WorkQueue
 from rollq.registry.retention import needed_by_episodes, retain
@@ -280,3 +282,17 @@ async def test_when_no_worker_serves_its_version_any_more_a_turn_fails_clearly(
     assert turn.version == 1
     assert (await episodes.get(move.episode_id)).token_versions[-1] == 1
     await episodes.close()
+
+
+async def test_a_turn_on_an_empty_routed_stream_keeps_the_trainers_queued_bytes(redis, policy):
+    """The byte quota's drift reset (an empty stream means nothing queued) must not fire on a
+    routed stream while the trainer's bytes sit on its own stream: the count would drop and
+    the trainer could pass its quota."""
+    keys = Keys(policy)
+    scripts = Scripts(redis)
+    enqueue = dict(trainer="t", quota=100, byte_quota=10_000, deadline=0.0, meta=b"")
+    await jobs.enqueue(redis, scripts, keys, job_id="a", items=[b"x" * 300], routed=True, **enqueue)
+    routed = keys.routed_work("t", "w1", 0)
+    await jobs.enqueue(redis, scripts, keys, job_id="b", items=[b"y" * 200], stream=routed, routed=True,
+                       **enqueue)
+    assert await jobs.queued_bytes(redis, keys, "t") == 500

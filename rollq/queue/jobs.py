@@ -56,10 +56,13 @@ async def enqueue(
     min_version: int = 0,
     max_version: int | None = None,
     stream: str | None = None,
+    routed: bool = False,
 ) -> Enqueued:
     """Write the job record and one work entry per group in one round trip.
 
     `stream`: a routed work stream of the trainer (`Keys.routed_work`) instead of its own.
+    `routed`: the trainer's groups may sit on routed streams (episodes): its byte count is never
+    reset for drift (an empty stream says nothing about the others).
     Raises QueueFull when the trainer's outstanding groups plus these would pass its quota, or
     the bytes of its queued items plus these would pass `byte_quota`.
     """
@@ -69,7 +72,7 @@ async def enqueue(
               keys.outstanding(trainer), keys.quota(trainer), keys.bounded_jobs,
               keys.outstanding_bytes(trainer)],
         args=[trainer, quota, len(items), time.time(), deadline, meta, job_id, min_version,
-              "" if max_version is None else max_version, byte_quota, *items],
+              "" if max_version is None else max_version, byte_quota, "1" if routed else "0", *items],
     )
     verdict = reply[0].decode()
     if verdict == Reply.BYTES:

@@ -2,7 +2,8 @@
 -- KEYS: job, work stream, trainers set, outstanding counter, the trainer's cap, bounded-jobs set,
 --       outstanding-bytes counter
 -- ARGV: trainer, client quota, groups, created_at, deadline, meta, job_id, min_version,
---       max_version ('' for none), byte quota, item1..itemN
+--       max_version ('' for none), byte quota, routed ('1': the trainer's groups may also sit on
+--       streams routed to workers), item1..itemN
 -- Returns {REPLY_OK}, {REPLY_DUP} (this job_id exists: idempotent submit),
 -- {REPLY_FULL, outstanding, quota} or {REPLY_BYTES, queued bytes, byte quota, this job's bytes}.
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -22,10 +23,12 @@ if outstanding + groups > quota then
 end
 local nbytes = 0
 for i = 1, groups do
-  nbytes = nbytes + #ARGV[10 + i]
+  nbytes = nbytes + #ARGV[11 + i]
 end
 -- Nothing in the stream means nothing queued or running: whatever the counter says is drift.
-if redis.call('XLEN', KEYS[2]) == 0 then
+-- Not for a trainer with routed streams (episodes): its bytes may sit on its other streams, and
+-- a reset would let it pass its quota.
+if ARGV[11] ~= '1' and redis.call('XLEN', KEYS[2]) == 0 then
   redis.call('SET', KEYS[7], 0)
 end
 local queued = tonumber(redis.call('GET', KEYS[7]) or '0')
@@ -44,7 +47,7 @@ if ARGV[9] ~= '' then
 end
 for i = 1, groups do
   -- j and g repeat the payload's job and group so a malformed payload can still be named.
-  redis.call('XADD', KEYS[2], '*', WORK_JOB, ARGV[7], WORK_GROUP, i - 1, WORK_ITEM, ARGV[10 + i])
+  redis.call('XADD', KEYS[2], '*', WORK_JOB, ARGV[7], WORK_GROUP, i - 1, WORK_ITEM, ARGV[11 + i])
 end
 redis.call('INCRBY', KEYS[4], groups)
 redis.call('INCRBY', KEYS[7], nbytes)
