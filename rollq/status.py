@@ -47,13 +47,20 @@ async def policy_status(redis: Redis, policy: str) -> PolicyStatus:
     keys = Keys(policy)
     registry = Registry(redis, keys)
     trainers = sorted(t.decode() for t in await redis.smembers(keys.trainers))
+    # A trainer's groups: on its own stream and on the streams routed to workers (episodes).
+    streams = {trainer: [keys.work(trainer)] for trainer in trainers}
+    for routed in await redis.hkeys(keys.routed):
+        route = keys.route_of(routed.decode())
+        if route is not None and route[0] in streams:
+            streams[route[0]].append(routed.decode())
     queues = []
     for trainer in trainers:
-        stream = keys.work(trainer)
-        total = await redis.xlen(stream)
-        running = 0
-        if total:
-            running = (await redis.xpending(stream, Group.WORKERS))["pending"]
+        total = running = 0
+        for stream in streams[trainer]:
+            length = await redis.xlen(stream)
+            total += length
+            if length:
+                running += (await redis.xpending(stream, Group.WORKERS))["pending"]
         queues.append(TrainerQueue(trainer, total - running, running,
                                    await redis.xlen(keys.results(trainer)),
                                    int(await redis.get(keys.outstanding(trainer)) or 0)))

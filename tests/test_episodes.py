@@ -18,6 +18,7 @@ from rollq.queue.scripts import Scripts
 from rollq.queue.names import EpisodeField, EpisodeState, Group
 from rollq.queue.work import WorkQueue
 from rollq.registry.retention import needed_by_episodes, retain
+from rollq.status import policy_status
 
 SAMPLING = {"max_tokens": 5}
 
@@ -296,3 +297,17 @@ async def test_a_turn_on_an_empty_routed_stream_keeps_the_trainers_queued_bytes(
     await jobs.enqueue(redis, scripts, keys, job_id="b", items=[b"y" * 200], stream=routed, routed=True,
                        **enqueue)
     assert await jobs.queued_bytes(redis, keys, "t") == 500
+
+
+async def test_status_counts_the_groups_on_routed_streams(redis, policy):
+    """`rollq status`, the dashboard and the gateway's queue metrics (all `policy_status`) count
+    a trainer's turns routed to a worker with its own queue."""
+    keys = Keys(policy)
+    scripts = Scripts(redis)
+    enqueue = dict(trainer="t", quota=100, byte_quota=10_000, deadline=0.0, meta=b"", routed=True)
+    await jobs.enqueue(redis, scripts, keys, job_id="a", items=[b"x"], **enqueue)
+    routed = keys.routed_work("t", "w1", 0)
+    await redis.hset(keys.routed, routed, 0)  # as Episodes does before it routes a turn
+    await jobs.enqueue(redis, scripts, keys, job_id="b", items=[b"y", b"z"], stream=routed, **enqueue)
+    [queue] = (await policy_status(redis, policy)).queues
+    assert (queue.trainer, queue.waiting, queue.running) == ("t", 3, 0)
