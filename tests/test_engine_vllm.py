@@ -176,7 +176,10 @@ async def test_bf16_engine_logprobs_within_bf16_tolerance(make_client, spawn_wor
     client = make_client()
     worker = spawn_worker(engine="vllm", max_inflight=32,
                           **engine_flags(tiny_model, "bfloat16"))
-    await wait_until(lambda: "serving policy" in worker.log, timeout_s=240, what="the bf16 engine up")
+    # Also ends when the worker exits (its engine died in warm-up): no 240 s wait for a corpse.
+    await wait_until(lambda: "serving policy" in worker.log or worker.proc.poll() is not None,
+                     timeout_s=240, what="the bf16 engine up")
+    assert worker.proc.poll() is None, "the bf16 worker exited before serving"
     worst = await max_logprob_error(client, reference, seed=3)
     print(f"bf16: max |logprob - reference| = {worst:.2e}")
     assert worst < BF16_LOGPROB_TOLERANCE
