@@ -9,40 +9,53 @@ ACL).
 
 What this does not isolate: a trainer may raise its own cap (`quota:<trainer>`: the submit
 script declares it, and Redis checks declared keys as read-write), add junk members to the two
-shared sets, and run Lua: scripts are ACL-checked command by command, but a script that never
-ends blocks Redis for everyone until SCRIPT KILL. Trainers you do not trust get the gateway
+shared sets, list or unlist episode keys in the policy's episode listing (another trainer's
+episode then loses its version's protection from retention), name routed streams (workers read
+them: at worst an empty stream), read every worker's heartbeat, and run Lua: scripts are
+ACL-checked command by command, but a script that never ends blocks Redis for everyone until
+SCRIPT KILL. Trainers you do not trust get the gateway
 (bearer tokens), not Redis.
 """
 
 from __future__ import annotations
 
-from rollq.protocol import check_id
+from rollq.protocol import DERIVED_SEPARATOR, check_id
 from rollq.queue.keys import Keys
 
 _COMMANDS = ["+@all", "-@dangerous", "-@admin"]
 _TRAINER_DENIED = ["-scan", "-randomkey"]
 """Key names are not a trainer's business (SCAN ignores key permissions)."""
-_SUBMIT_SHARED = ["+evalsha", "+sadd"]
-"""What the submit script does to the policy's shared sets: add a member, nothing else."""
+_SUBMIT_SHARED = ["+evalsha", "+eval", "+sadd", "+zadd", "+zrem", "+hset"]
+"""What the submit and episode scripts (and an episode's routing) do to the policy's shared keys:
+add a member to the trainers and bounded-jobs sets, list an episode for retention (ZADD, ZREM
+when it ends), name a routed stream (HSET). EVAL too: on a cluster node that lacks a script (a
+promoted replica, a flushed cache) the client runs it by EVAL; the commands inside any script
+are still checked against these rules (a script that SREMs a shared set is NOPERM)."""
 
 
 def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = False) -> list[str]:
     """A trainer's own keys in full, the registry read-only (read-write for a publisher).
 
     The submit script adds the trainer to two shared sets (the trainers workers claim from and
-    the bounded jobs retention looks at). Redis checks every key a script declares, as
-    read-write, against one selector: so one selector holds the trainer's keys and the shared
-    sets with only EVALSHA and SADD, and nothing lets a trainer remove another from either.
+    the bounded jobs retention looks at); episodes also list themselves for retention and name
+    routed streams. Redis checks every key a script declares, as read-write, against one
+    selector: so one selector holds the trainer's keys and the shared keys with only EVALSHA,
+    SADD, ZADD, ZREM and HSET, and nothing lets a trainer remove another from the sets.
     A publisher changes what every trainer's samples are made with: it is trusted with the
     whole policy (retention reads other trainers' job windows and the workers' pins).
     """
     keys = Keys(policy)
     check_id("trainer", trainer)
-    own = [keys.work(trainer), keys.results(trainer), keys.outstanding(trainer),
-           keys.outstanding_bytes(trainer), keys.quota(trainer), keys.job(trainer, "*"),
-           keys.done(trainer, "*")]
-    shared = [keys.trainers, keys.bounded_jobs]
-    registry = [keys.latest, keys.versions, keys.version_events]
+    own = []
+    # Its own id and the ids rollq derives from it (`trainer~purpose~owner`: its episodes), whose
+    # routed work streams (`work:<id>:<worker>:<version>`) the first pattern also covers. No
+    # chosen id contains `~`, so `alice~*` is nobody else's.
+    for t in (trainer, f"{trainer}{DERIVED_SEPARATOR}*"):
+        own += [keys.work(t), keys.results(t), keys.outstanding(t),
+                keys.outstanding_bytes(t), keys.quota(t), keys.job(t, "*"), keys.done(t, "*")]
+    own.append(keys.episode(trainer, "*"))
+    shared = [keys.trainers, keys.bounded_jobs, keys.episodes, keys.routed]
+    registry = [keys.latest, keys.versions, keys.version_events, keys.worker("*")]
     rules = [trainer, "on", f">{password}", "resetkeys", "resetchannels", *_COMMANDS]
     if publisher:
         return [*rules, f"~{keys.every_key}"]

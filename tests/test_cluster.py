@@ -241,6 +241,10 @@ async def test_acl_users_on_every_node(cluster, redis, make_worker, policy):
     commands a cluster client needs (CLUSTER SLOTS, COMMAND) and WAIT for durability."""
     for rule in (trainer_acl(policy, "alice", "alice-pw"), trainer_acl(policy, "bob", "bob-pw")):
         await redis.execute_command("ACL", "SETUSER", *rule, target_nodes=RedisCluster.ALL_NODES)
+    # The trainer is the first to run the submit script on its node (as after a failover, which
+    # does not replicate the script cache): its client falls back to EVAL, which the trainer's
+    # rules must allow (they did not: passed only after other tests had loaded the scripts).
+    await redis.execute_command("SCRIPT", "FLUSH", target_nodes=RedisCluster.ALL_NODES)
     make_worker("w1")
     seeds = cluster.url.removeprefix("redis+cluster://")
     alice = RolloutClient(f"redis+cluster://alice:alice-pw@{seeds}?durable_replicas=1",

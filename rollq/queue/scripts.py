@@ -68,9 +68,8 @@ async def pipelined(redis: Redis, calls: list[Call], *, durable_key: str | None 
     (errors as values) and, when `durable_key` is given and the connection asks for durability,
     the reply of a WAIT sent behind them on the same connection (else None).
 
-    A call answered NOSCRIPT did not run: its script is loaded (SCRIPT LOAD, which a trainer's ACL
-    allows where EVAL of its submit script is not) and those calls are sent again, in order, with
-    a WAIT of their own. A cluster pipeline resends such calls itself (connection.py)."""
+    A call answered NOSCRIPT did not run: its script is loaded (SCRIPT LOAD) and those calls are
+    sent again, in order, with a WAIT of their own. A cluster pipeline resends such calls itself (connection.py)."""
     wanted = durability(redis) if durable_key is not None else Durability()
     replies, acked = await _send(redis, calls, durable_key, wanted)
     missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
