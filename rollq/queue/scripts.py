@@ -69,7 +69,8 @@ async def pipelined(redis: Redis, calls: list[Call], *, durable_key: str | None 
     the reply of a WAIT sent behind them on the same connection (else None).
 
     A call answered NOSCRIPT did not run: its script is loaded (SCRIPT LOAD) and those calls are
-    sent again, in order, with a WAIT of their own. A cluster pipeline resends such calls itself (connection.py)."""
+    sent again, in order, with a WAIT of their own. A cluster pipeline resends such calls itself
+    (connection.py)."""
     wanted = durability(redis) if durable_key is not None else Durability()
     replies, acked = await _send(redis, calls, durable_key, wanted)
     missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
