@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 from rollq.bench import results_dir
+from rollq.children import stop_child
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,17 +43,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    """SIGTERM; after `timeout_s`, SIGKILL to its process group if it leads one (a vLLM worker
-    started with start_new_session: its engine core would outlive it), else to it alone."""
-    proc.terminate()
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # not a group leader
-            proc.kill()
-        proc.wait()
+    """SIGTERM; SIGKILL after `timeout_s`; then whatever is left in its process group (a vLLM
+    worker's engine core) — `rollq.children.stop_child`, the one way rollq stops a child."""
+    stop_child(proc, timeout_s)
 
 
 def machine() -> str:

@@ -44,11 +44,11 @@ from rich.console import Console
 from safetensors.torch import save_file
 
 from rollq.chaos_reference import WEIGHT_SETS, Reference, WeightSets, make_tiny_model
+from rollq.children import stop_children
 from rollq.client import RolloutClient
 from rollq.faults import RedisProcess
 from rollq.protocol import GroupResult
 from rollq.queue.workers import live_workers
-from rollq.worker.pool import reap_group
 
 POLICY = "chaos-weights"
 FAULTS = ("storm", "corrupted", "rewritten", "truncated")
@@ -145,19 +145,7 @@ class _Run:
         return (self.workdir / f"{worker_id}.log").read_text(errors="replace")
 
     def stop_workers(self) -> list[int]:
-        for _, proc in self.workers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-        codes = []
-        for _, proc in self.workers:
-            try:
-                codes.append(proc.wait(60))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes.append(proc.wait())
-            reap_group(proc.pid)
-        return codes
+        return stop_children([proc for _, proc in self.workers], 60)
 
 
 async def _wait_workers(run: _Run, until: float, ready) -> None:

@@ -15,7 +15,8 @@ import click
 import msgspec
 from rich.logging import RichHandler
 
-from rollq.config import VLLMSettings, WorkerSettings, default_weight_store, default_worker_id, field_docs
+from rollq.config import (GatewaySettings, VLLMSettings, WorkerSettings, default_weight_store,
+                          default_worker_id, field_docs)
 from rollq.protocol import InvalidInput
 from rollq.queue.connection import DEFAULT_URL
 
@@ -36,25 +37,30 @@ def main(log_level: str) -> None:
 def _setting(cls: type, name: str, *, flag: str | None = None, envvar: str | None = None,
              help: str | None = None):
     """A click option for the settings field `name` of `cls`: its default, type and help come
-    from the settings class, so the CLI never holds a second copy of them."""
+    from the settings class, so the CLI never holds a second copy of them. A list field is a
+    repeatable option; a bool field given a single `flag` is that flag alone."""
     field = next(f for f in msgspec.structs.fields(cls) if f.name == name)
     default = None if field.default is msgspec.NODEFAULT else field.default
     kind = [field.type]
     if isinstance(field.type, types.UnionType):  # `int | None`: an int option, default None
         kind = [t for t in typing.get_args(field.type) if t is not type(None)]
-    kwargs: dict = dict(default=default, show_default=default is not None,
+    kwargs: dict = dict(default=default, show_default=default not in (None, []),
                         help=help or _FIELD_DOCS[cls].get(name))
     dashed = name.replace("_", "-")
-    if typing.get_origin(kind[0]) is typing.Literal:
+    if typing.get_origin(kind[0]) is list:
+        kwargs.update(multiple=True, type=typing.get_args(kind[0])[0], default=None, show_default=False)
+    elif typing.get_origin(kind[0]) is typing.Literal:
         kwargs["type"] = click.Choice(typing.get_args(kind[0]))
     elif kind[0] is bool:
+        if flag is not None and "/" not in flag:
+            kwargs["is_flag"] = True
         flag = flag or f"--{dashed}/--no-{dashed}"
     else:
         kwargs["type"] = kind[0]
     return click.option(flag or f"--{dashed}", name, envvar=envvar or f"ROLLQ_{name.upper()}", **kwargs)
 
 
-_FIELD_DOCS = {cls: field_docs(cls) for cls in (WorkerSettings, VLLMSettings)}
+_FIELD_DOCS = {cls: field_docs(cls) for cls in (WorkerSettings, VLLMSettings, GatewaySettings)}
 
 
 def _worker_options(command):
@@ -184,55 +190,47 @@ async def _run_worker(s: WorkerSettings, vllm_settings: VLLMSettings | None, red
         await engine.close()
 
 
+_GATEWAY_OPTIONS: dict[str, dict] = {
+    # The environment variables gateways have always read; others are ROLLQ_<FIELD>.
+    "redis_url": dict(envvar="REDIS_URL"),
+    "host": dict(envvar="ROLLQ_GATEWAY_HOST"),
+    "port": dict(envvar="ROLLQ_GATEWAY_PORT"),
+    "tokens": dict(envvar="ROLLQ_GATEWAY_TOKENS",
+                   help='JSON file {"<token>": {"trainer": ..., "policies": [...], "scopes": [...]}} '
+                        "(scopes: rollouts (the default), publish, observe)."),
+    "no_auth": dict(flag="--no-auth", envvar="ROLLQ_GATEWAY_NO_AUTH"),
+    "public_observe": dict(flag="--public-observe", envvar="ROLLQ_GATEWAY_PUBLIC_OBSERVE"),
+    "policies": dict(flag="--policy", envvar="ROLLQ_POLICY"),
+    "gateway_id": dict(envvar="ROLLQ_GATEWAY_ID"),
+    "weight_store": dict(help=f"Where published copies go [default: {default_weight_store()}]."),
+    "weight_roots": dict(flag="--weight-root"),
+    "require_durable": dict(flag="--require-durable"),
+    "header_timeout_s": dict(envvar="ROLLQ_GATEWAY_HEADER_TIMEOUT_S"),
+    "body_timeout_s": dict(envvar="ROLLQ_GATEWAY_BODY_TIMEOUT_S"),
+    "max_connections": dict(envvar="ROLLQ_GATEWAY_MAX_CONNECTIONS"),
+    "max_reply_bytes": dict(envvar="ROLLQ_GATEWAY_MAX_REPLY_BYTES"),
+    "body_bytes_in_flight": dict(envvar="ROLLQ_GATEWAY_BODY_BYTES_IN_FLIGHT"),
+    "trust_request_chat_template": dict(flag="--trust-request-chat-template"),
+}
+
+
+def _gateway_options(command):
+    for name in reversed(GatewaySettings.__struct_fields__):
+        command = _setting(GatewaySettings, name, **_GATEWAY_OPTIONS.get(name, {}))(command)
+    return command
+
+
 @main.command()
-@click.option("--redis-url", envvar="REDIS_URL", default=DEFAULT_URL, show_default=True)
-@click.option("--host", envvar="ROLLQ_GATEWAY_HOST", default="127.0.0.1", show_default=True)
-@click.option("--port", envvar="ROLLQ_GATEWAY_PORT", default=8000, show_default=True)
-@click.option("--tokens", envvar="ROLLQ_GATEWAY_TOKENS", default=None, type=click.Path(dir_okay=False),
-              help='JSON file {"<token>": {"trainer": ..., "policies": [...], "scopes": [...]}} '
-                   '(scopes: rollouts (the default), publish, observe).')
-@click.option("--no-auth", is_flag=True, envvar="ROLLQ_GATEWAY_NO_AUTH",
-              help="No tokens: every request is trainer 'anonymous' with every policy (loopback only).")
-@click.option("--public-observe", is_flag=True, envvar="ROLLQ_GATEWAY_PUBLIC_OBSERVE",
-              help="Serve /metrics and the dashboard's data without a token (they name every trainer "
-                   "and show failure reasons; default: a token with the 'observe' scope).")
-@click.option("--policy", "policies", multiple=True, envvar="ROLLQ_POLICY",
-              help="Serve and show only these policies (default: all found).")
-@click.option("--gateway-id", envvar="ROLLQ_GATEWAY_ID", default="gateway", show_default=True,
-              help="Names this gateway's completions trainers; unique per gateway.")
-@click.option("--weight-store", envvar="ROLLQ_WEIGHT_STORE", default=None,
-              help=f"Where published copies go [default: {default_weight_store()}].")
-@click.option("--weight-root", "weight_roots", multiple=True,
-              help="Roots to publish by path from: policy P may publish only under ROOT/P/ "
-                   "(default root: the weight store).")
-@click.option("--tokenizer", envvar="ROLLQ_TOKENIZER", default=None,
-              help="Local tokenizer directory: text prompts and completion text.")
-@click.option("--max-body-bytes", envvar="ROLLQ_MAX_BODY_BYTES", default=64 * 1024 * 1024, show_default=True)
-@click.option("--require-durable", is_flag=True, envvar="ROLLQ_REQUIRE_DURABLE",
-              help="Refuse a Redis without AOF or with an evicting maxmemory-policy (else: warn).")
-@click.option("--header-timeout-s", envvar="ROLLQ_GATEWAY_HEADER_TIMEOUT_S", default=15.0, show_default=True,
-              help="Close a connection that has not sent a request head within this (also idle keep-alive).")
-@click.option("--body-timeout-s", envvar="ROLLQ_GATEWAY_BODY_TIMEOUT_S", default=60.0, show_default=True,
-              help="A request body that takes longer to arrive gets a 408.")
-@click.option("--max-connections", envvar="ROLLQ_GATEWAY_MAX_CONNECTIONS", default=1024, show_default=True,
-              help="Connections beyond this get a 503 and are closed.")
-@click.option("--max-reply-bytes", envvar="ROLLQ_GATEWAY_MAX_REPLY_BYTES", default=16 * 1024 * 1024,
-              show_default=True, help="A batch of results stops at this many bytes (at least one result).")
-@click.option("--body-bytes-in-flight", envvar="ROLLQ_GATEWAY_BODY_BYTES_IN_FLIGHT", type=int, default=None,
-              help="Request bodies read at once, in bytes [default: 4 x --max-body-bytes]; others wait.")
-@click.option("--max-outstanding-bytes", envvar="ROLLQ_MAX_OUTSTANDING_BYTES", default=1024**3,
-              show_default=True, help="Per trainer: bytes of prompts queued and not yet finished.")
-@click.option("--trust-request-chat-template", is_flag=True, envvar="ROLLQ_TRUST_REQUEST_CHAT_TEMPLATE",
-              help="Chat requests may bring their own chat_template (it runs on the workers).")
-def gateway(policies: tuple[str, ...], weight_store: str | None, weight_roots: tuple[str, ...],
-            **flags) -> None:
+@_gateway_options
+def gateway(policies: tuple[str, ...] | None, weight_store: str | None,
+            weight_roots: tuple[str, ...] | None, **flags) -> None:
     """HTTP API, OpenAI-compatible completions, /metrics and the live dashboard."""
     from rollq.gateway.app import load_tokenizer, start_gateway
-    from rollq.gateway.state import GatewaySettings
 
     extra = {"weight_store": weight_store} if weight_store else {}
     try:
-        settings = GatewaySettings(policies=list(policies), weight_roots=[Path(p) for p in weight_roots],
+        settings = GatewaySettings(policies=list(policies or ()),
+                                   weight_roots=[Path(p) for p in weight_roots or ()],
                                    **extra, **flags).validate()
     except InvalidInput as e:
         raise click.BadParameter(str(e)) from None

@@ -245,7 +245,7 @@ async def make_gateway(redis_url, policy, tmp_path):
     from gateway_fixtures import RunningGateway, write_tokens
 
     from rollq.gateway.app import start_gateway
-    from rollq.gateway.state import GatewaySettings
+    from rollq.config import GatewaySettings
 
     runners = []
 

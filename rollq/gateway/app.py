@@ -25,7 +25,8 @@ from rollq.gateway.http import BODY_BUDGET, BODY_TIMEOUT, ApiError, BodyBudget, 
 from rollq.gateway.openapi import Param, openapi_document
 from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch, SubmitRequest,
                                   Submitted, VersionList, VersionView)
-from rollq.gateway.state import GATEWAY, PUBLISH_PROCESSES, Gateway, GatewaySettings
+from rollq.config import GatewaySettings
+from rollq.gateway.state import GATEWAY, PUBLISH_PROCESSES, Gateway
 from rollq.queue.connection import connect
 from rollq.queue.jobs import JobStatus
 from rollq.status import PolicyStatus
