@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_grpo import BOS, VOCAB, make_model  # noqa: E402,F401 (make_model: for callers)
+from async_grpo import BOS, VOCAB, GRPOTrainer, make_model  # noqa: E402,F401 (make_model: for callers)
 
 from rollq import RolloutClient  # noqa: E402
 from rollq.episodes import Episode  # noqa: E402
@@ -84,14 +84,11 @@ class StepStats:
     versions: set
 
 
-class EpisodeTrainer:
-    def __init__(self, model_dir: Path, *, lr: float = 1e-2, max_ratio: float = 2.0):
-        from transformers import LlamaForCausalLM
+class EpisodeTrainer(GRPOTrainer):
+    """async_grpo's trainer (model, optimizer, truncated importance ratio) on whole episodes."""
 
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-        self.model.train()
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
-        self.max_ratio = max_ratio
+    def __init__(self, model_dir: Path, *, lr: float = 1e-2, max_ratio: float = 2.0):
+        super().__init__(model_dir, lr=lr, max_ratio=max_ratio)
 
     def update(self, groups: list[list[Episode]]) -> float:
         """One GRPO step on groups of episodes; returns the mean reward."""

@@ -49,7 +49,6 @@ from rollq.protocol import (
     unpack_tokens,
     VersionWindow,
     validate_n,
-    validate_window,
 )
 from rollq.queue import jobs
 from rollq.queue.names import EpisodeField, EpisodeState, Reply
@@ -340,7 +339,6 @@ class Episodes:
         """Queue the turn's group: on the stream routed to `route` (a worker) when it still serves
         the window's version, else on the trainer's own stream, which every worker reads."""
         submitter = self._submitter
-        validate_window(*window)
         [(item, deadline)] = submitter._encode_items(job_id, [prompt], n, settings, deadline_s, window)
         stream = await self._routed_stream(route, window)
         if stream is not None:  # listed first: a worker reading it never misses an entry

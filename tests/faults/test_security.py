@@ -27,64 +27,86 @@ async def served_worker(url: str, policy: str):
     return worker, asyncio.create_task(worker.run()), redis
 
 
-async def test_acl_trainer_users_reach_only_their_own_streams(durable_redis, policy):
-    admin = redis_async.Redis(port=durable_redis.port)
-    for rule in (trainer_acl(policy, "alice", "alice-pw"), trainer_acl(policy, "bob", "bob-pw"),
-                 worker_acl(policy, "worker", "worker-pw")):
-        await admin.execute_command("ACL", "SETUSER", *rule)
-    await admin.execute_command("ACL", "SETUSER", "default", "on", ">admin-pw")
-    durable_redis.password = "admin-pw"
-    await admin.aclose()
-    url = f"redis://{{}}@127.0.0.1:{durable_redis.port}/0"
+class AclUsers:
+    """Trainers alice, bob and mallory and a worker as `rollq acl` makes them (passwords
+    `<name>-pw`); what a test opens through it is closed after the test."""
 
+    def __init__(self, port: int, policy: str, admin):
+        self.url = f"redis://{{}}@127.0.0.1:{port}/0"
+        self.policy = policy
+        self.admin = admin
+        self._clients: list[RolloutClient] = []
+        self._workers: list[tuple[Worker, asyncio.Task, object]] = []
+
+    def client(self, user: str, trainer_id: str | None = None) -> RolloutClient:
+        client = RolloutClient(self.url.format(f"{user}:{user}-pw"), policy=self.policy,
+                               trainer_id=trainer_id or user)
+        self._clients.append(client)
+        return client
+
+    async def worker(self) -> Worker:
+        worker, task, redis = await served_worker(self.url.format("worker:worker-pw"), self.policy)
+        self._workers.append((worker, task, redis))
+        return worker
+
+    async def close(self) -> None:
+        for worker, task, redis in self._workers:
+            worker.stop()
+            worker.stop()
+            await asyncio.wait_for(task, 30)
+            await redis.aclose()
+        for client in self._clients:
+            await client.close()
+        await self.admin.aclose()
+
+
+@pytest.fixture
+async def acl(durable_redis, policy):
+    admin = redis_async.Redis(port=durable_redis.port)
+    for name in ("alice", "bob", "mallory"):
+        await admin.execute_command("ACL", "SETUSER", *trainer_acl(policy, name, f"{name}-pw"))
+    await admin.execute_command("ACL", "SETUSER", *worker_acl(policy, "worker", "worker-pw"))
+    users = AclUsers(durable_redis.port, policy, admin)
+    try:
+        yield users
+    finally:
+        await users.close()
+
+
+async def test_acl_trainer_users_reach_only_their_own_streams(acl, durable_redis, policy):
+    await acl.admin.execute_command("ACL", "SETUSER", "default", "on", ">admin-pw")
+    durable_redis.password = "admin-pw"
     anonymous = redis_async.Redis(port=durable_redis.port)
     with pytest.raises(AuthenticationError):
         await anonymous.get("anything")
     await anonymous.aclose()
 
-    worker, task, worker_redis = await served_worker(url.format("worker:worker-pw"), policy)
-    alice = RolloutClient(url.format("alice:alice-pw"), policy=policy, trainer_id="alice")
-    bob = RolloutClient(url.format("bob:bob-pw"), policy=policy, trainer_id="bob")
-    try:
-        await alice.submit([[1, 2]], n=2, sampling={"max_tokens": 3})
-        await bob.submit([[3, 4]], n=1, sampling={"max_tokens": 3})
-        [mine] = await alice.take(1, timeout_s=30)
-        assert mine.status == "ok" and mine.prompt_ids == [1, 2]
-        keys = Keys(policy)
-        with pytest.raises(NoPermissionError):  # bob's results are not alice's to read...
-            await alice.redis.xrange(keys.results("bob"))
-        with pytest.raises(NoPermissionError):  # ...nor his work stream to write
-            await alice.redis.xadd(keys.work("bob"), {"d": b"x"})
-        posing = RolloutClient(url.format("alice:alice-pw"), policy=policy, trainer_id="bob")
-        with pytest.raises((NoPermissionError, ResponseError), match="(?i)noperm|permission"):
-            await posing.submit([[5]], n=1)  # the submit script touches bob's keys
-        with pytest.raises((NoPermissionError, ResponseError), match="(?i)noperm|permission"):
-            await posing.take(1, timeout_s=1)
-        await posing.close()
-        [theirs] = await bob.take(1, timeout_s=30)
-        assert theirs.prompt_ids == [3, 4]
-    finally:
-        worker.stop()
-        worker.stop()
-        await asyncio.wait_for(task, 30)
-        await worker_redis.aclose()
-        await alice.close()
-        await bob.close()
+    await acl.worker()
+    alice, bob = acl.client("alice"), acl.client("bob")
+    await alice.submit([[1, 2]], n=2, sampling={"max_tokens": 3})
+    await bob.submit([[3, 4]], n=1, sampling={"max_tokens": 3})
+    [mine] = await alice.take(1, timeout_s=30)
+    assert mine.status == "ok" and mine.prompt_ids == [1, 2]
+    keys = Keys(policy)
+    with pytest.raises(NoPermissionError):  # bob's results are not alice's to read...
+        await alice.redis.xrange(keys.results("bob"))
+    with pytest.raises(NoPermissionError):  # ...nor his work stream to write
+        await alice.redis.xadd(keys.work("bob"), {"d": b"x"})
+    posing = acl.client("alice", trainer_id="bob")
+    with pytest.raises((NoPermissionError, ResponseError), match="(?i)noperm|permission"):
+        await posing.submit([[5]], n=1)  # the submit script touches bob's keys
+    with pytest.raises((NoPermissionError, ResponseError), match="(?i)noperm|permission"):
+        await posing.take(1, timeout_s=1)
+    [theirs] = await bob.take(1, timeout_s=30)
+    assert theirs.prompt_ids == [3, 4]
 
 
-async def test_acl_trainer_users_run_episodes_on_their_own_keys(durable_redis, policy):
+async def test_acl_trainer_users_run_episodes_on_their_own_keys(acl, policy):
     """A trainer limited by `rollq acl` runs episodes (its derived trainer's streams, a routed
     turn, its episode records, the shared episode listing), and another trainer's episode
     records stay NOPERM."""
-    admin = redis_async.Redis(port=durable_redis.port)
-    for rule in (trainer_acl(policy, "alice", "alice-pw"), trainer_acl(policy, "bob", "bob-pw"),
-                 worker_acl(policy, "worker", "worker-pw")):
-        await admin.execute_command("ACL", "SETUSER", *rule)
-    await admin.aclose()
-    url = f"redis://{{}}@127.0.0.1:{durable_redis.port}/0"
-    worker, task, worker_redis = await served_worker(url.format("worker:worker-pw"), policy)
-    alice = RolloutClient(url.format("alice:alice-pw"), policy=policy, trainer_id="alice")
-    bob = RolloutClient(url.format("bob:bob-pw"), policy=policy, trainer_id="bob")
+    worker = await acl.worker()
+    alice, bob = acl.client("alice"), acl.client("bob")
     episodes, theirs = alice.episodes(), bob.episodes()
     try:
         [first] = await episodes.start([1, 2], sampling={"max_tokens": 3})
@@ -98,62 +120,38 @@ async def test_acl_trainer_users_run_episodes_on_their_own_keys(durable_redis, p
     finally:
         await episodes.close()
         await theirs.close()
-        worker.stop()
-        worker.stop()
-        await asyncio.wait_for(task, 30)
-        await worker_redis.aclose()
-        await alice.close()
-        await bob.close()
 
 
-async def test_acl_trainer_cannot_touch_another_trainers_jobs_quota_or_claim_order(durable_redis,
-                                                                                   policy):
+async def test_acl_trainer_cannot_touch_another_trainers_jobs_quota_or_claim_order(acl, policy):
     """Under `rollq acl`, each attack of a trainer with direct Redis access on another trainer's
     jobs, done markers, quota, results or place in the claim order is NOPERM or has no effect."""
-    admin = redis_async.Redis(port=durable_redis.port)
-    for rule in (trainer_acl(policy, "alice", "alice-pw"), trainer_acl(policy, "mallory", "m-pw"),
-                 worker_acl(policy, "worker", "worker-pw")):
-        await admin.execute_command("ACL", "SETUSER", *rule)
-    url = f"redis://{{}}@127.0.0.1:{durable_redis.port}/0"
     keys = Keys(policy)
-    alice = RolloutClient(url.format("alice:alice-pw"), policy=policy, trainer_id="alice")
-    mallory = RolloutClient(url.format("mallory:m-pw"), policy=policy, trainer_id="mallory")
-    worker = task = worker_redis = None
-    try:
-        await alice.submit([[1]], n=1, job_id="step-1")
-        await mallory.submit([[2]], n=1, job_id="step-1")  # its own step-1: a job of its own
-        m = mallory.redis
-        attacks = [
-            m.srem(keys.trainers, "alice"), m.delete(keys.trainers), m.delete(keys.bounded_jobs),
-            m.hset(keys.job("alice", "step-1"), "state", "cancelled"),
-            m.hset(keys.done("alice", "step-1"), "0", "ok"), m.set(keys.quota("alice"), 0),
-            m.set(keys.outstanding("alice"), 10**9), m.xadd(keys.results("alice"), {"d": b"x"}),
-            m.eval("return redis.call('SREM', KEYS[1], 'alice')", 1, keys.trainers),
-            m.scan(0, match=f"{keys.every_key}"),
-        ]
-        for attack in attacks:
-            # (The EVAL is let through and its SREM refused: "can't access at least one of the keys".)
-            with pytest.raises((NoPermissionError, ResponseError),
-                               match="(?i)noperm|permission|can.t access"):
-                await attack
-        assert await admin.sismember(keys.trainers, "alice")
-        assert await admin.hget(keys.job("alice", "step-1"), "state") == b"pending"
-        with pytest.raises(KeyError):
-            await _status_of(mallory, "alice")
-        worker, task, worker_redis = await served_worker(url.format("worker:worker-pw"), policy)
-        [mine] = await alice.take(1, timeout_s=30)
-        assert mine.status == "ok" and mine.prompt_ids == [1]
-        [theirs] = await mallory.take(1, timeout_s=30)
-        assert theirs.prompt_ids == [2]
-    finally:
-        if worker is not None:
-            worker.stop()
-            worker.stop()
-            await asyncio.wait_for(task, 30)
-            await worker_redis.aclose()
-        await alice.close()
-        await mallory.close()
-        await admin.aclose()
+    alice, mallory = acl.client("alice"), acl.client("mallory")
+    await alice.submit([[1]], n=1, job_id="step-1")
+    await mallory.submit([[2]], n=1, job_id="step-1")  # its own step-1: a job of its own
+    m = mallory.redis
+    attacks = [
+        m.srem(keys.trainers, "alice"), m.delete(keys.trainers), m.delete(keys.bounded_jobs),
+        m.hset(keys.job("alice", "step-1"), "state", "cancelled"),
+        m.hset(keys.done("alice", "step-1"), "0", "ok"), m.set(keys.quota("alice"), 0),
+        m.set(keys.outstanding("alice"), 10**9), m.xadd(keys.results("alice"), {"d": b"x"}),
+        m.eval("return redis.call('SREM', KEYS[1], 'alice')", 1, keys.trainers),
+        m.scan(0, match=f"{keys.every_key}"),
+    ]
+    for attack in attacks:
+        # (The EVAL is let through and its SREM refused: "can't access at least one of the keys".)
+        with pytest.raises((NoPermissionError, ResponseError),
+                           match="(?i)noperm|permission|can.t access"):
+            await attack
+    assert await acl.admin.sismember(keys.trainers, "alice")
+    assert await acl.admin.hget(keys.job("alice", "step-1"), "state") == b"pending"
+    with pytest.raises(KeyError):
+        await _status_of(mallory, "alice")
+    await acl.worker()
+    [mine] = await alice.take(1, timeout_s=30)
+    assert mine.status == "ok" and mine.prompt_ids == [1]
+    [theirs] = await mallory.take(1, timeout_s=30)
+    assert theirs.prompt_ids == [2]
 
 
 async def _status_of(client: RolloutClient, trainer: str):
