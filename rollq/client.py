@@ -367,6 +367,22 @@ class RolloutClient:
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 0.5)
 
+    async def submit_routed(self, job_id: str, prompt: list[int], n: int, sampling: Sampling,
+                            window: tuple[int, int | None, int | None], deadline_s: float | None,
+                            stream: str | None) -> None:
+        """One group on `stream`, a stream routed to one worker (`Keys.routed_work`), or on this
+        trainer's own stream (None), which every worker reads: how episodes queue their turns.
+        The routed stream is listed (`Keys.routed`) before the group goes on it, so a worker
+        scanning the listing never misses an entry. No waiting for quota: QueueFull is raised."""
+        [(item, deadline)] = self._encode_items(job_id, [prompt], n, sampling, deadline_s, window)
+        if stream is not None:
+            await self._retrying(self.redis.hset, self.keys.routed, stream, time.time())
+        await self._retrying(
+            jobs.enqueue, self.redis, self.scripts, self.keys, trainer=self.trainer_id, job_id=job_id,
+            items=[item], quota=self.max_outstanding, byte_quota=self.max_outstanding_bytes,
+            deadline=deadline, meta=encode_meta(None), min_version=window[0], max_version=window[1],
+            stream=stream, routed=True)
+
     async def _room(self, groups: int, size: int, limit: int, byte_limit: int) -> bool:
         """Room for the job under both caps? Read through connection loss (a failover)."""
         def read(func, *args):
@@ -460,6 +476,13 @@ class RolloutClient:
                                            reading=True)
             got.extend(r for e, r in entries if self._hand(e, ack))
         return got
+
+    async def arrived(self, *, max_count: int = 64, block_s: float = 0.5,
+                      ack: AckMode = "auto") -> list[GroupResult]:
+        """The results that have arrived, up to `max_count`, as soon as there is one (waiting at
+        most `block_s`; `take` instead waits to fill its count). Acknowledgement: see `AckMode`."""
+        _check_ack(ack)
+        return [r for e, r in await self._next_batch(max_count, int(block_s * 1000)) if self._hand(e, ack)]
 
     async def ack(self, results: Iterable[GroupResult | str] | None = None) -> int:
         """Acknowledge results (or their `entry_id`s): they leave the result stream and the quota.

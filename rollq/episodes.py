@@ -42,7 +42,6 @@ from rollq.protocol import (
     check_id,
     derived_trainer_id,
     encode,
-    encode_meta,
     pack_floats,
     pack_tokens,
     unpack_floats,
@@ -50,7 +49,6 @@ from rollq.protocol import (
     VersionWindow,
     validate_n,
 )
-from rollq.queue import jobs
 from rollq.queue.names import EpisodeField, EpisodeState, Reply
 from rollq.queue.workers import WorkerState
 
@@ -338,16 +336,8 @@ class Episodes:
                       deadline_s: float | None, route: str | None) -> None:
         """Queue the turn's group: on the stream routed to `route` (a worker) when it still serves
         the window's version, else on the trainer's own stream, which every worker reads."""
-        submitter = self._submitter
-        [(item, deadline)] = submitter._encode_items(job_id, [prompt], n, settings, deadline_s, window)
         stream = await self._routed_stream(route, window)
-        if stream is not None:  # listed first: a worker reading it never misses an entry
-            await submitter._retrying(self.client.redis.hset, self.keys.routed, stream, time.time())
-        await submitter._retrying(
-            jobs.enqueue, self.client.redis, submitter.scripts, self.keys, trainer=submitter.trainer_id,
-            job_id=job_id, items=[item], quota=submitter.max_outstanding,
-            byte_quota=submitter.max_outstanding_bytes, deadline=deadline, meta=encode_meta(None),
-            min_version=window[0], max_version=window[1], stream=stream, routed=True)
+        await self._submitter.submit_routed(job_id, prompt, n, settings, window, deadline_s, stream)
 
     async def _routed_stream(self, worker: str | None, window) -> str | None:
         """Prefix-cache affinity: the worker that served the last turn, if it is alive, serving
@@ -398,11 +388,8 @@ class Episodes:
         """Read the turns' results, apply each to its episodes, then acknowledge it and wake its
         caller. A result nobody waits for (a restarted client's) is acknowledged and dropped: its
         episode stays `running` until it expires."""
-        submitter = self._submitter
         while self._waiting and not self._stopping:
-            # Whatever has arrived, as soon as one has (`take` would wait for 64 or its timeout).
-            results = [r for entry_id, r in await submitter._next_batch(64, 500)
-                       if submitter._hand(entry_id, "manual")]
+            results = await self._submitter.arrived(max_count=64, block_s=0.5, ack="manual")
             for result in results:
                 found = self._waiting.pop(result.job_id, None)
                 if found is None:
