@@ -22,15 +22,19 @@ models, q/k/v/o projections, as a trainer holds them) as versions 1, 2, ... with
 `adapter_on=0`, each followed by the same probe group: publish -> serving is the adapter's store
 (its two files, fsynced and hashed), the worker's copy, checks and `add_lora`, and the probe's
 one token under the adapter. No swap: the full weights never change. That token is a CPU
-forward pass of the whole model with LoRA (~60-110 ms here): `publish -> generating` (end to
-end less the probe group's generation time, as the worker measured it) is rollq's own part.
+forward pass of the whole model with LoRA (~50-110 ms here), so each publish's probe is followed
+by the same probe on the adapter, now resident: `publish -> servable` (raw publish -> first
+token less that resident probe's latency, per publish) is how soon the version could serve, the
+figure the <= 50 ms target is judged on; the raw one is reported beside it. `publish ->
+generating` (end to end less the probe's generation time as the worker measured it) is kept too.
 
 The raw read is the same files read once, sequentially, just before each publish: warm (from
 the page cache, as the swap finds them) and cold (page cache dropped first: storage bandwidth;
 needs root). Reported: end to end, each phase, and the effective bandwidth (checkpoint bytes /
 end to end) as a fraction of each raw read's.
 
-    python bench/swap.py [--repeats 3] [--adapter-repeats 9]  # table + bench/results/swap.json
+    python bench/swap.py [--repeats 3] [--adapter-repeats 9] [--only full|adapter]
+    # table + bench/results/swap.json
 """
 
 from __future__ import annotations
@@ -167,19 +171,33 @@ def make_adapters(base: Path, count: int) -> list:
     return adapters
 
 
+async def probe(client: RolloutClient, version: int) -> tuple[float, object]:
+    """Seconds from submitting the one-token probe group (`min_version=version`) to its result."""
+    began = time.perf_counter()
+    await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
+    [result] = await client.take(1, timeout_s=120)
+    if result.status != "ok" or result.samples[0].versions[0][0] != version:
+        raise RuntimeError(f"probe not served by adapter version {version}: {result}")
+    return time.perf_counter() - began, result
+
+
 async def adapter_once(client: RolloutClient, version: int, adapter) -> dict:
+    """Publish an adapter, probe it (raw: publish -> first token), then probe it again now that
+    it is resident: the same group on the same engine a moment later, whose latency is what the
+    first probe would have taken had the adapter been servable when the publish began."""
     began = time.perf_counter()
     entry = await client.publish_weights(version, adapter, adapter_on=0, keep=3)
     stored = time.perf_counter() - began
-    await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
-    [probe] = await client.take(1, timeout_s=120)
+    _, result = await probe(client, version)
     total_s = time.perf_counter() - began
-    if probe.status != "ok" or probe.samples[0].versions[0][0] != version:
-        raise RuntimeError(f"probe not served by adapter version {version}: {probe}")
+    resident_s, _ = await probe(client, version)
     print(f"adapter version {version}: {total_s * 1000:.1f} ms end to end, store "
-          f"{stored * 1000:.1f} ms, probe generation {probe.generation_s * 1000:.1f} ms", flush=True)
-    return {"total_s": total_s, "store_s": stored, "generation_s": probe.generation_s,
-            "ready_s": total_s - probe.generation_s, "bytes": sum(d.bytes for d in entry.files)}
+          f"{stored * 1000:.1f} ms, probe generation {result.generation_s * 1000:.1f} ms, "
+          f"resident probe {resident_s * 1000:.1f} ms -> servable "
+          f"{(total_s - resident_s) * 1000:.1f} ms (load {os.getloadavg()[0]:.1f})", flush=True)
+    return {"total_s": total_s, "store_s": stored, "generation_s": result.generation_s,
+            "ready_s": total_s - result.generation_s, "resident_s": resident_s,
+            "servable_s": total_s - resident_s, "bytes": sum(d.bytes for d in entry.files)}
 
 
 async def adapter_runs(redis_url: str, tmp: Path, base: Path, repeats: int) -> dict:
@@ -198,36 +216,46 @@ async def adapter_runs(redis_url: str, tmp: Path, base: Path, repeats: int) -> d
             "total_s": statistics.median(r["total_s"] for r in runs),
             "store_s": statistics.median(r["store_s"] for r in runs),
             "generation_s": statistics.median(r["generation_s"] for r in runs),
-            "ready_s": statistics.median(r["ready_s"] for r in runs), "runs": runs}
+            "ready_s": statistics.median(r["ready_s"] for r in runs),
+            "resident_s": statistics.median(r["resident_s"] for r in runs),
+            "servable_s": statistics.median(r["servable_s"] for r in runs), "runs": runs}
 
 
-async def main(repeats: int, adapter_repeats: int) -> dict:
+async def main(repeats: int, adapter_repeats: int, only: str | None = None) -> dict:
     load_before = os.getloadavg()
     modes: dict[str, list[dict]] = {"copy": [], "by reference": [], MEMORY: []}
+    adapter = None
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         checkpoints = [make_llama(tmp / f"ckpt{i}", seed=i, **MODEL) for i in range(2)]
         size = sum(f.stat().st_size for f in checkpoints[1].glob("*.safetensors"))
         redis = RedisProcess(tmp, aof=False).start()
-        worker = start_worker(redis.url, POLICY, checkpoints[0])
         try:
-            async with RolloutClient(redis.url, policy=POLICY, trainer_id="bench",
-                                     weight_store=str(tmp / "store")) as client:
-                await wait_worker(client, worker)
-                version = 0
-                for mode, runs in modes.items():
-                    for _ in range(repeats):
-                        version += 1
-                        runs.append(await swap_once(client, version, checkpoints[version % 2], mode))
-        finally:
-            stop_process(worker)
-        try:
-            adapter = await adapter_runs(redis.url, tmp, checkpoints[0], adapter_repeats)
+            if only != "adapter":
+                await full_runs(redis.url, tmp, checkpoints, modes, repeats)
+            if only != "full":
+                adapter = await adapter_runs(redis.url, tmp, checkpoints[0], adapter_repeats)
         finally:
             redis.stop()
     return {"bytes": size, "repeats": repeats, "model": MODEL,
-            "modes": {mode: summary(runs, size) for mode, runs in modes.items()}, "adapter": adapter,
-            "load": [load_before[0], os.getloadavg()[0]]}
+            "modes": {mode: summary(runs, size) for mode, runs in modes.items() if runs},
+            "adapter": adapter, "load": [load_before[0], os.getloadavg()[0]]}
+
+
+async def full_runs(redis_url: str, tmp: Path, checkpoints: list[Path],
+                    modes: dict[str, list[dict]], repeats: int) -> None:
+    worker = start_worker(redis_url, POLICY, checkpoints[0])
+    try:
+        async with RolloutClient(redis_url, policy=POLICY, trainer_id="bench",
+                                 weight_store=str(tmp / "store")) as client:
+            await wait_worker(client, worker)
+            version = 0
+            for mode, runs in modes.items():
+                for _ in range(repeats):
+                    version += 1
+                    runs.append(await swap_once(client, version, checkpoints[version % 2], mode))
+    finally:
+        stop_process(worker)
 
 
 def report(r: dict) -> None:
@@ -238,10 +266,13 @@ def report(r: dict) -> None:
               f"{m['raw_warm_s']:.3f} s warm, {cold} cold")
         print("  " + ", ".join(f"{k} {v:.2f} s" for k, v in m["phases_s"].items()))
     a = r["adapter"]
-    print(f"adapter (rank {a['rank']}, {a['bytes'] / 1e6:.1f} MB): publish -> serving "
-          f"{a['total_s'] * 1000:.1f} ms (store {a['store_s'] * 1000:.1f} ms, probe generation "
-          f"{a['generation_s'] * 1000:.1f} ms, publish -> generating {a['ready_s'] * 1000:.1f} ms), "
-          f"median of {a['repeats']}")
+    if a:
+        print(f"adapter (rank {a['rank']}, {a['bytes'] / 1e6:.1f} MB), median of {a['repeats']}: "
+              f"publish -> first token {a['total_s'] * 1000:.1f} ms (raw); the same probe on the "
+              f"adapter once resident {a['resident_s'] * 1000:.1f} ms; publish -> servable "
+              f"{a['servable_s'] * 1000:.1f} ms (store {a['store_s'] * 1000:.1f} ms, probe "
+              f"generation {a['generation_s'] * 1000:.1f} ms, publish -> generating "
+              f"{a['ready_s'] * 1000:.1f} ms)")
     print(f"load average: {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end")
 
 
@@ -249,7 +280,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--adapter-repeats", type=int, default=9)
+    parser.add_argument("--only", choices=["full", "adapter"], help="run one part")
     args = parser.parse_args()
-    result = asyncio.run(main(args.repeats, args.adapter_repeats))
+    result = asyncio.run(main(args.repeats, args.adapter_repeats, args.only))
     report(result)
     write_result("swap", result)

@@ -103,3 +103,15 @@ def test_a_copied_directory_is_hashed_from_the_bytes_written_each_file_whole(tmp
     for d in files:
         assert (path / d.name).read_bytes() == (source / d.name).read_bytes()
         assert d.digest == digest_file(source / d.name) and d.bytes == (source / d.name).stat().st_size
+
+
+def test_a_buffer_not_kept_is_allocated_to_the_page_not_in_64_mib_steps():
+    """An adapter's image (3.7 MB) used to populate a 64 MiB buffer: 21-25 ms of its store time."""
+    import mmap
+
+    tensors = {"lora": torch.ones(1000, 900)}  # 3.6 MB
+    image = Staging(keep=0).pack(tensors)
+    assert image.size < len(image.buffer) <= image.size + mmap.PAGESIZE
+    kept = Staging(keep=1).pack(tensors)
+    assert len(kept.buffer) == 4 << 20  # reused buffers still leave room to grow
+    assert len(Staging(keep=1).pack({"w": torch.ones(20 << 20)}).buffer) == 128 << 20
