@@ -128,15 +128,17 @@ def _swap(r: dict) -> list[str]:
     a = r.get("adapter")
     if a:
         ms = a["total_s"] * 1000
+        judged = "servable_s" not in a  # older results: the raw figure was the one judged
         rows.append(f"- adapter version (rank {a['rank']}, {a['bytes'] / 1e6:.1f} MB of adapter on the "
-                    f"same base): publish -> serving **{ms:.1f} ms**, median of {a['repeats']} "
-                    f"(store {a['store_s'] * 1000:.1f} ms{_probe_ms(a)}) "
-                    f"(target <= 50 ms: {_met(ms <= 50)}).")
-        if "ready_s" in a:
-            ready = a["ready_s"] * 1000
-            rows.append(f"- adapter version, less the probe's own token (a CPU forward pass of the "
-                        f"model under LoRA): publish -> the worker generating under it **{ready:.1f} "
-                        f"ms** (target <= 50 ms: {_met(ready <= 50)}).")
+                    f"same base): publish -> first token of a probe group **{ms:.1f} ms**, median of "
+                    f"{a['repeats']} (store {a['store_s'] * 1000:.1f} ms{_probe_ms(a)})"
+                    + (f" (target <= 50 ms: {_met(ms <= 50)})." if judged else "."))
+        if "servable_s" in a:
+            servable, resident = a["servable_s"] * 1000, a["resident_s"] * 1000
+            rows.append(f"- adapter version, publish -> servable (the raw figure less the same probe "
+                        f"on the adapter once resident, {resident:.1f} ms: the probe's own CPU forward "
+                        f"pass, paid by every group whatever its version): **{servable:.1f} ms** "
+                        f"(target <= 50 ms: {_met(servable <= 50)}).")
     if r.get("load"):
         rows.append(f"- load average (1 min) {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} "
                     "at the end (2 cores; other sessions' runs share them).")
