@@ -54,6 +54,41 @@ class Claimed:
         return (self.stream, self.entry_id)
 
 
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _lua_string(data: bytes) -> msgspec.Raw:
+    """`data` as a msgpack str: Redis' cmsgpack (7.0) cannot read bin, and a Lua string holds
+    any bytes."""
+    n = len(data)
+    if n < 32:
+        head = bytes((0xa0 | n,))
+    elif n < 0x100:
+        head = b"\xd9" + bytes((n,))
+    elif n < 0x10000:
+        head = b"\xda" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdb" + n.to_bytes(4, "big")
+    return msgspec.Raw(head + data)
+
+
+def _finish_batch(errors: str, dead: str, batch: list) -> tuple[list[str], bytes]:
+    """`finish.lua`'s keys and its one msgpack argument for a batch of (keys, args, _): each key
+    declared once (a cluster routes the call by them; they share the policy's slot), each entry
+    naming its keys by their index in KEYS."""
+    keys, index, entries = [errors, dead], {}, []
+    for entry_keys, entry_args, _ in batch:
+        refs = []
+        for key in entry_keys:
+            at = index.get(key)
+            if at is None:
+                keys.append(key)
+                at = index[key] = len(keys)
+            refs.append(at)
+        entries.append((*refs, *entry_args))
+    return keys, _ENCODER.encode(entries)
+
+
 def _warn_unreplicated(wait_reply, wanted) -> None:
     """A result already written cannot be taken back: a failover that loses it puts its group
     back (the finish is lost with it) and the group is generated again; say so, and go on."""
@@ -319,7 +354,8 @@ class WorkQueue:
                 outstanding_bytes)
         raw = claimed.data or b""
         # The item goes back to Redis only into a dead letter: the byte count needs its size.
-        args = (claimed.entry_id, group, status, payload, dead_reason, len(raw), raw if dead_reason else b"")
+        args = (claimed.entry_id, group, status, _lua_string(payload), dead_reason, len(raw),
+                _lua_string(raw) if dead_reason else "")
         return keys, args
 
     def _queue_finish(self, keys: tuple, args: tuple) -> asyncio.Future:
@@ -343,10 +379,8 @@ class WorkQueue:
         wanted = durability(self.redis)
         while self._finishing:
             batch, self._finishing = self._finishing[:FINISH_BATCH], self._finishing[FINISH_BATCH:]
-            keys, args = [self.keys.errors, self.keys.dead], [self.consumer, self.job_ttl_s]
-            for entry_keys, entry_args, _ in batch:
-                keys.extend(entry_keys)
-                args.extend(entry_args)
+            keys, entries = _finish_batch(self.keys.errors, self.keys.dead, batch)
+            args = [self.consumer, self.job_ttl_s, entries]
             try:
                 # One WAIT covers the whole batch.
                 [replies], acked = await pipelined(self.redis, [(self.scripts.finish, keys, args)],

@@ -1,10 +1,14 @@
 -- Write the one terminal result of each of a batch of work entries, each only if the caller still
 -- owns it (fencing per entry: one entry lost or already done changes nothing for the others).
--- KEYS: errors hash, dead-letter stream, then 5 per entry: work stream, result stream, job,
---       done hash, outstanding-bytes counter (the raw item's bytes leave it with the entry)
--- ARGV: consumer, job ttl (s), then 7 per entry: entry id, group index ('' when unknown), status,
---       result payload, dead-letter reason ('' for none), the raw item's size in bytes, the raw
---       item (kept in the dead letter; '' when there is none: only its size travels)
+-- KEYS: errors hash, dead-letter stream, then every other key the batch touches, each once (work
+--       streams, result streams, jobs, done hashes, outstanding-bytes counters)
+-- ARGV: consumer, job ttl (s), the entries as one msgpack array (Redis' cmsgpack unpacks it: one
+--       argument for the batch, where 12 per entry cost the worker more than the rest of a
+--       no-op group), each entry an array of 12: the KEYS indices of its work stream, result
+--       stream, job, done hash and outstanding-bytes counter (the raw item's bytes leave it with
+--       the entry), then its entry id, group index ('' when unknown), status, result payload,
+--       dead-letter reason ('' for none), the raw item's size in bytes, the raw item (kept in the
+--       dead letter; '' when there is none: only its size travels)
 -- Returns per entry REPLY_OK, REPLY_DUP (the group already had its result: entry dropped) or
 -- REPLY_LOST (not ours).
 local function finish(stream, results, job, done, nbytes, id, group, status, payload, reason, size, raw)
@@ -43,15 +47,14 @@ local function finish(stream, results, job, done, nbytes, id, group, status, pay
 end
 
 local replies = {}
-for i = 0, (#KEYS - 2) / 5 - 1 do
-  local k, a = 2 + 5 * i, 2 + 7 * i
+for i, e in ipairs(cmsgpack.unpack(ARGV[3])) do
   -- An error (a key of the wrong type, a job record without `groups`) fails its own entry, as
   -- when every entry was a script call of its own; what it wrote before the error stays.
-  local ok, reply = pcall(finish, KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5],
-    ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7])
+  local ok, reply = pcall(finish, KEYS[e[1]], KEYS[e[2]], KEYS[e[3]], KEYS[e[4]], KEYS[e[5]],
+    e[6], e[7], e[8], e[9], e[10], e[11], e[12])
   if not ok and not reply.err then
     reply = redis.error_reply(tostring(reply))
   end
-  replies[i + 1] = reply
+  replies[i] = reply
 end
 return replies
