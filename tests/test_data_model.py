@@ -18,8 +18,8 @@ from rollq.queue.scripts import NAMES, body
 
 LUA_WORDS = {"local", "if", "then", "else", "elseif", "end", "for", "in", "do", "return", "not", "and",
              "or", "true", "false", "nil", "while", "break", "function", "repeat", "until"}
-SYMBOLS = {"", "*", "~", "-inf", "+inf"}
-"""Literals that are Redis syntax (stream ids, ranges), not names."""
+SYMBOLS = {"", "*", "~", "-", "-inf", "+inf"}
+"""Literals that are Redis syntax (stream ids and the `-` inside one, ranges), not names."""
 
 
 def _code_and_strings(script: str) -> tuple[str, list[str]]:

@@ -85,3 +85,89 @@ async def test_scripts_forgotten_by_redis_are_loaded_again(redis, policy, make_c
     await redis.script_flush()
     assert await _finish_together(queue, claimed) == ["ok"] * 3
     assert len(await client.take(3, timeout_s=1)) == 3
+
+
+# finish.lua takes a batch as one msgpack argument (bytes sent as msgpack str), reads ownership
+# with one XPENDING per stream and counts each job once: the tests below hold what finishing the
+# entries one by one would leave.
+
+async def test_payloads_and_dead_items_arrive_byte_for_byte(redis, policy, make_client):
+    client = make_client()
+    sizes = [0, 1, 31, 32, 255, 256, 65_535, 65_536, 300_000]  # each msgpack str header size
+    queue, claimed = await _claimed(redis, client, policy, len(sizes) + 1)
+    payloads = [bytes(range(256)) * (n // 256) + bytes(range(n % 256)) for n in sizes]
+    *rest, dead = claimed
+    dead.data = b"\xff\x00\xc4not utf-8 \x80"
+    outcomes = await queue.finish_many([(c, "ok", p, "") for c, p in zip(rest, payloads)]
+                                       + [(dead, "failed", b"\xc1", "bad item \u00e9")])
+    assert outcomes == ["ok"] * len(claimed)
+    entries = await redis.xrange(Keys(policy).results("trainer"))
+    assert [fields[b"d"] for _, fields in entries] == payloads + [b"\xc1"]
+    [(_, letter)] = await redis.xrange(Keys(policy).dead)
+    assert (letter[b"item"], letter[b"reason"]) == (dead.data, "bad item \u00e9".encode())
+
+
+async def test_a_batch_over_two_trainers_writes_each_trainers_own(redis, policy, make_client):
+    alice, bob = make_client("alice"), make_client("bob")
+    await alice.submit([[1], [2]], n=1)
+    await bob.submit([[3]], n=1)
+    keys = Keys(policy)
+    before = [int(await redis.get(keys.outstanding_bytes(t))) for t in ("alice", "bob")]
+    queue = WorkQueue(redis, keys, "w1", job_ttl_s=600)
+    claimed = await queue.claim(await queue.streams(), 3)
+    assert len({c.stream for c in claimed}) == 2
+    outcomes = await _finish_together(queue, claimed)
+    assert outcomes == ["ok"] * 3
+    assert len(await alice.take(3, timeout_s=1)) == 2 and len(await bob.take(3, timeout_s=1)) == 1
+    assert before[0] > 0 and before[1] > 0
+    assert [int(await redis.get(keys.outstanding_bytes(t))) for t in ("alice", "bob")] == [0, 0]
+
+
+async def test_entries_far_apart_among_many_held_are_still_ours(redis, policy, make_client):
+    """The batch's ownership read covers its lowest to highest id; when this worker holds more
+    there than the read returns, each entry is asked for on its own (not taken as lost)."""
+    client = make_client()
+    queue, claimed = await _claimed(redis, client, policy, 300)
+    ends = [claimed[-1], claimed[0]]  # out of id order
+    assert await _finish_together(queue, ends) == ["ok", "ok"]
+    stolen = claimed[150]
+    await redis.xclaim(stolen.stream, Group.WORKERS, "thief", 0, [stolen.entry_id], justid=True)
+    assert await _finish_together(queue, [claimed[1], stolen, claimed[-2]]) == ["ok", "lost", "ok"]
+    assert len(await client.take(10, timeout_s=1)) == 4
+
+
+async def test_a_job_completed_within_one_batch_is_counted_as_one_by_one(redis, policy, make_client):
+    client = make_client()
+    queue, claimed = await _claimed(redis, client, policy, 4)
+    statuses = ["ok", "failed", "ok", "expired"]
+    outcomes = await queue.finish_many([(c, s, encode(GroupResult(c.job_id, c.group_index, s)), "")
+                                        for c, s in zip(claimed, statuses)] + [(claimed[2], "ok", b"x", "")])
+    assert outcomes == ["ok"] * 4 + ["lost"]
+    status = await client.status(claimed[0].job_id)
+    assert (status.state, status.done, status.ok, status.failed, status.expired) == ("done", 4, 2, 1, 1)
+    assert status.finished_at > 0
+    keys = Keys(policy)
+    assert 0 < await redis.ttl(keys.job("trainer", claimed[0].job_id)) <= 600
+    assert 0 < await redis.ttl(keys.done("trainer", claimed[0].job_id)) <= 600
+    assert await redis.hgetall(keys.done("trainer", claimed[0].job_id)) == {
+        str(c.group_index).encode(): s.encode() for c, s in zip(claimed, statuses)}
+
+
+async def test_a_job_record_without_groups_fails_its_entries_alone(redis, policy, make_client):
+    """As one by one: the broken job's entries are acknowledged and counted, then fail on the
+    missing `groups` without a result; the other job's entry is finished."""
+    client = make_client()
+    await client.submit([[1], [2]], n=1)
+    await client.submit([[3]], n=1)
+    queue = WorkQueue(redis, Keys(policy), "w1", job_ttl_s=600)
+    claimed = await queue.claim(await queue.streams(), 3)
+    broken_job = claimed[0].job_id
+    await redis.hdel(Keys(policy).job("trainer", broken_job), "groups")
+    outcomes = await _finish_together(queue, claimed)
+    assert [isinstance(o, ResponseError) for o in outcomes] == [True, True, False]
+    assert outcomes[2] == "ok"
+    assert [r.job_id for r in await client.take(3, timeout_s=1)] == [claimed[2].job_id]
+    record = await redis.hgetall(Keys(policy).job("trainer", broken_job))
+    assert (record[b"done"], record[b"ok"]) == (b"2", b"2")
+    assert await redis.xpending(claimed[0].stream, Group.WORKERS) == {
+        "pending": 0, "min": None, "max": None, "consumers": []}

@@ -251,6 +251,9 @@ MALFORMED = {
                    "n=0 must be an integer between 1 and 1024"),
     "pickle": ({b"d": b"\x80\x04\x95cos\nsystem\n(S'touch /tmp/rollq-pwned'\ntR."},
                "malformed work item"),
+    # A group field of digits that int() refuses: the claim once raised on it, at every attempt.
+    "group not ascii digits": ({b"j": b"j4", b"g": "\u00b2".encode(), b"d": b"\xc1"},
+                               "malformed work item"),
 }
 
 

@@ -34,7 +34,7 @@ _JOB, _GROUP, _ITEM = (f.encode() for f in (WorkField.JOB, WorkField.GROUP, Work
 """Work-entry fields as redis-py returns them."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Claimed:
     """A work entry this worker holds."""
 
@@ -54,6 +54,41 @@ class Claimed:
         return (self.stream, self.entry_id)
 
 
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _lua_string(data: bytes) -> msgspec.Raw:
+    """`data` as a msgpack str: Redis' cmsgpack (7.0) cannot read bin, and a Lua string holds
+    any bytes."""
+    n = len(data)
+    if n < 32:
+        head = bytes((0xa0 | n,))
+    elif n < 0x100:
+        head = b"\xd9" + bytes((n,))
+    elif n < 0x10000:
+        head = b"\xda" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdb" + n.to_bytes(4, "big")
+    return msgspec.Raw(head + data)
+
+
+def _finish_batch(errors: str, dead: str, batch: list) -> tuple[list[str], bytes]:
+    """`finish.lua`'s keys and its one msgpack argument for a batch of (keys, args, ...): each key
+    declared once (a cluster routes the call by them; they share the policy's slot), each entry
+    naming its keys by their index in KEYS."""
+    keys, index, entries = [errors, dead], {}, []
+    for entry_keys, entry_args, *_ in batch:
+        refs = []
+        for key in entry_keys:
+            at = index.get(key)
+            if at is None:
+                keys.append(key)
+                at = index[key] = len(keys)
+            refs.append(at)
+        entries.append((*refs, *entry_args))
+    return keys, _ENCODER.encode(entries)
+
+
 def _warn_unreplicated(wait_reply, wanted) -> None:
     """A result already written cannot be taken back: a failover that loses it puts its group
     back (the finish is lost with it) and the group is generated again; say so, and go on."""
@@ -67,19 +102,27 @@ def _text(value: bytes | str | None) -> str | None:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
-def _entry(stream: str, entry_id: bytes, fields: dict | list | None, **extra) -> Claimed:
+def _entry(stream: str, entry_id: bytes, fields: dict | list | None, deliveries: int = 1,
+           last_error: str = "") -> Claimed:
     if isinstance(fields, list):  # Lua replies carry fields as a flat list
         fields = dict(zip(fields[::2], fields[1::2]))
-    fields = fields or {}
-    group = _text(fields.get(_GROUP))
-    return Claimed(
-        stream=stream,
-        entry_id=_text(entry_id),
-        data=fields.get(_ITEM),
-        job_id=_text(fields.get(_JOB)),
-        group_index=int(group) if group and group.isdigit() else None,
-        **extra,
-    )
+    if not fields:
+        fields = {}
+    group = fields.get(_GROUP)
+    # ASCII digits only: str.isdigit() also takes digits int() refuses ('²').
+    if isinstance(group, str):
+        group = group.encode()
+    return Claimed(stream, _text(entry_id), fields.get(_ITEM), _text(fields.get(_JOB)),
+                   int(group) if group and group.isdigit() else None, deliveries, last_error)
+
+
+class _Waiter:
+    """One `finish_many` caller's replies, filled in as the batches holding its entries return."""
+
+    __slots__ = ("future", "replies", "left")
+
+    def __init__(self, future: asyncio.Future, replies: list):
+        self.future, self.replies, self.left = future, replies, len(replies)
 
 
 class WorkQueue:
@@ -93,7 +136,7 @@ class WorkQueue:
         self.scripts = Scripts(redis)
         self._rotation = 0
         self._reclaim_cursor: dict[str, str] = {}
-        self._finishing: list[tuple[tuple, tuple, asyncio.Future]] = []
+        self._finishing: list[tuple[tuple, tuple, _Waiter, int]] = []
         self._by_stream: dict[str, tuple[str, str, str]] = {}
         self._finisher: asyncio.Task | None = None
         self._next_prune = 0.0
@@ -296,15 +339,20 @@ class WorkQueue:
         alone. Batching saves redis-py's per-command cost (packing, a reply to parse each), which
         dominated the worker's CPU time moving no-op groups (docs/benchmarks.md).
         """
-        return Reply(_text(await self._queue_finish(*self._finish_call(claimed, status, payload,
-                                                                        dead_reason))))
+        [reply] = await self.finish_many([(claimed, status, payload, dead_reason)])
+        return reply
 
     async def finish_many(self, finishing: list[tuple[Claimed, str, bytes, str]]) -> list[Reply]:
         """`finish` for each (claimed, status, payload, dead_reason), from one caller: the same
-        batch and fencing, without a task per entry."""
-        replies = [self._queue_finish(*self._finish_call(c, status, payload, dead_reason))
-                   for c, status, payload, dead_reason in finishing]
-        replies = await asyncio.gather(*replies, return_exceptions=True)
+        batch and fencing, without a task or a future per entry; raises the first entry's error."""
+        if not finishing:
+            return []
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), [None] * len(finishing))
+        self._finishing.extend((*self._finish_call(c, status, payload, dead_reason), waiter, i)
+                               for i, (c, status, payload, dead_reason) in enumerate(finishing))
+        if self._finisher is None or self._finisher.done():
+            self._finisher = asyncio.create_task(self._send_finishes(), name="finish-batches")
+        replies = await waiter.future
         for reply in replies:
             if isinstance(reply, BaseException):
                 raise reply
@@ -319,15 +367,9 @@ class WorkQueue:
                 outstanding_bytes)
         raw = claimed.data or b""
         # The item goes back to Redis only into a dead letter: the byte count needs its size.
-        args = (claimed.entry_id, group, status, payload, dead_reason, len(raw), raw if dead_reason else b"")
+        args = (claimed.entry_id, group, status, _lua_string(payload), dead_reason, len(raw),
+                _lua_string(raw) if dead_reason else "")
         return keys, args
-
-    def _queue_finish(self, keys: tuple, args: tuple) -> asyncio.Future:
-        reply = asyncio.get_running_loop().create_future()
-        self._finishing.append((keys, args, reply))
-        if self._finisher is None or self._finisher.done():
-            self._finisher = asyncio.create_task(self._send_finishes(), name="finish-batches")
-        return reply
 
     def _trainer_keys(self, stream: str) -> tuple[str, str, str]:
         """A work stream's trainer, its result stream and byte counter (looked up per result)."""
@@ -343,10 +385,8 @@ class WorkQueue:
         wanted = durability(self.redis)
         while self._finishing:
             batch, self._finishing = self._finishing[:FINISH_BATCH], self._finishing[FINISH_BATCH:]
-            keys, args = [self.keys.errors, self.keys.dead], [self.consumer, self.job_ttl_s]
-            for entry_keys, entry_args, _ in batch:
-                keys.extend(entry_keys)
-                args.extend(entry_args)
+            keys, entries = _finish_batch(self.keys.errors, self.keys.dead, batch)
+            args = [self.consumer, self.job_ttl_s, entries]
             try:
                 # One WAIT covers the whole batch.
                 [replies], acked = await pipelined(self.redis, [(self.scripts.finish, keys, args)],
@@ -358,18 +398,17 @@ class WorkQueue:
             except Exception as e:  # the connection failed: every caller decides whether to retry
                 replies = [e] * len(batch)
             except BaseException:  # cancelled (shutdown): no caller may wait forever
-                for *_, future in batch + self._finishing:
-                    if not future.done():
-                        future.set_exception(RedisConnectionError("finish batch cancelled"))
+                for _, _, waiter, _ in batch + self._finishing:
+                    if not waiter.future.done():
+                        waiter.future.set_exception(RedisConnectionError("finish batch cancelled"))
                 self._finishing = []
                 raise
-            for (*_, future), reply in zip(batch, replies):
-                if future.done():  # its caller was cancelled; the write itself is fenced
-                    continue
-                if isinstance(reply, Exception):
-                    future.set_exception(reply)
-                else:
-                    future.set_result(reply)
+            for (_, _, waiter, i), reply in zip(batch, replies):
+                waiter.replies[i] = reply
+                waiter.left -= 1
+                # Done already: its caller was cancelled; the write itself is fenced.
+                if not waiter.left and not waiter.future.done():
+                    waiter.future.set_result(waiter.replies)
 
     async def release(self, items: list[Claimed], *, error: str = "", refund: bool = True) -> int:
         """Hand entries back so another worker takes them at once; `refund`: not a delivery."""
