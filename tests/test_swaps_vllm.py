@@ -3,6 +3,8 @@
 token by its job's window, refuse bad weights; checked against transformers under each version."""
 
 import asyncio
+import logging
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -18,19 +20,25 @@ from swap_fixtures import (GREEDY, PROMPTS, Reference, engine_v1, follower,  # n
 
 
 @pytest.mark.parametrize("mode", ["drain", "interrupt", "keep"])
-async def test_publish_while_200_groups_run(mode, publisher, follower, versions):
-    """128 tokens a group: the 176 groups left when v2 is published run for several seconds, so
-    the swap begins while they run (with 48 tokens they took ~1.5 s, and a clean CI run once
-    finished them all on v1 before the interrupting swap began). In keep mode the job accepts
-    keep, and each sample is checked against what keep promises (`Reference.check_kept`)."""
+async def test_publish_while_200_groups_run(mode, publisher, follower, versions, caplog):
+    """192 tokens a group: the 176 groups left when v2 is published run for many seconds, so the
+    swap begins while they run (with 48 tokens they took ~1.5 s, and a clean CI run once finished
+    them all on v1 before the interrupting swap began; with 128, another, in under 17 s, the
+    follower having read version 2 and no swap begun: its cause is not found, so a failure now
+    carries the worker's log and the follower's state). In keep mode the job accepts keep, and
+    each sample is checked against what keep promises (`Reference.check_kept`)."""
+    caplog.set_level(logging.INFO, logger="rollq")
     weights, models = versions
     worker = follower(swap_mode=mode)
     accepts = {"swap_modes": ["keep"]} if mode == "keep" else {}
     await publisher.submit([p for p in PROMPTS for _ in range(8)], n=1,
-                           sampling=GREEDY | {"max_tokens": 128} | accepts)
+                           sampling=GREEDY | {"max_tokens": 192} | accepts)
     results = await collect(publisher, 24, timeout_s=120)
+    published = time.monotonic()
     await publisher.publish_weights(2, weights[2])
-    results += await collect(publisher, 200 - 24, timeout_s=240)
+    publish_s = time.monotonic() - published
+    results += await collect(publisher, 200 - 24, timeout_s=300)
+    ran_s = time.monotonic() - published
     assert Counter(r.group_index for r in results) == Counter(range(200))
     reference = Reference(models)
     segments, kept_differs = Counter(), 0
@@ -47,9 +55,13 @@ async def test_publish_while_200_groups_run(mode, publisher, follower, versions)
     # On failure, what the follower saw, and how busy the loop's default executor (where the
     # snapshot check runs) was: a clean CI run once served all 200 on v1 with no swap begun.
     executor = getattr(asyncio.get_running_loop(), "_default_executor", None)
+    log = [f"{r.relativeCreated / 1000:.2f} {r.name}: {r.getMessage()}" for r in caplog.records
+           if r.name.startswith("rollq")][-30:]
     assert segments[(1,)] > 0 and segments[(2,)] > 0, (
         dict(segments), worker.last_error, worker.cannot_load, worker.engine.version, worker.newest,
-        executor and (len(executor._threads), executor._work_queue.qsize()))
+        f"swap state {worker.versions.swap}, heartbeat target {worker.heartbeat.target}",
+        f"publish took {publish_s:.2f} s, the 176 groups after it {ran_s:.2f} s",
+        executor and (len(executor._threads), executor._work_queue.qsize()), log)
     # Where the swap's time went (metrics, heartbeat, bench/swap.py): every phase, measured.
     assert set(worker.stats.totals.last_swap) == {"verify", "drain", "pause", "load", "resume"}
     assert all(seconds >= 0 for seconds in worker.stats.totals.last_swap.values())

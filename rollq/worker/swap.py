@@ -282,6 +282,7 @@ class VersionFollower:
             return
         heartbeat.holds.add(version)
         heartbeat.target = version
+        log.info("version %d: pinned; checking a private copy of its files", version)
         snapshot, served = self.snapshots.new(version), False
         try:
             checking = time.monotonic()
