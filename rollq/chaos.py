@@ -88,6 +88,8 @@ class _Run:
     statuses: Counter = field(default_factory=Counter)
     faults: Counter = field(default_factory=Counter)
     versions: int = 0
+    """The last version number the runner published (or tried to)."""
+    failed_publishes: int = 0
     spawned: int = 0
     trainer: subprocess.Popen | None = None
     trainer_exits: int = 0
@@ -176,9 +178,11 @@ async def _publisher(run: _Run, client: RolloutClient, until: float) -> None:
         run.versions += 1
         try:
             await client.publish_weights(run.versions, {"w": torch.full((4,), float(run.versions))}, keep=3)
-        except RedisError as e:  # Redis was down longer than the client retries: try the next one
+        except RedisError as e:  # Redis was down longer than the client retries: go on
+            # ... with the next version number: this one may have been registered all the same
+            # (its reply lost), and a version is never published twice.
             console.print(f"[yellow]publish of version {run.versions} failed: {e}[/yellow]")
-            run.versions -= 1
+            run.failed_publishes += 1
 
 
 async def _faults(run: _Run, until: float) -> None:
@@ -256,7 +260,7 @@ async def chaos(s: ChaosSettings) -> Summary:
         minutes=s.minutes, seed=seed, submitted_jobs=len(run.acknowledged),
         submitted_groups=len(expected), delivered=len(expected & set(run.seen)),
         duplicated=len(doubled), lost=len(expected - set(run.seen)), statuses=dict(run.statuses),
-        faults=dict(run.faults), versions_published=run.versions, quota_drift=drift,
+        faults=dict(run.faults), versions_published=run.versions - run.failed_publishes, quota_drift=drift,
         trainer_exits=run.trainer_exits)
 
 

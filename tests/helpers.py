@@ -26,3 +26,22 @@ async def collect(client, count: int, timeout_s: float = 60) -> list:
     assert len(got) == count, f"expected {count} results, got {len(got)}"
     await client.ack(got)
     return got
+
+
+def drop_a_reply(monkeypatch, redis, command: str, pick=lambda reply: True) -> list:
+    """Drop the reply to the next `command` sent on `redis` whose reply `pick` picks, after Redis
+    ran it, as a connection lost in flight would: redis-py's retry sends the command again.
+    Returns the dropped replies (a test asserts one was, else it tested nothing)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    parse, dropped = redis.parse_response, []
+
+    async def parse_then_drop(connection, command_name, **options):
+        reply = await parse(connection, command_name, **options)
+        if command_name == command and not dropped and pick(reply):
+            dropped.append(reply)
+            raise RedisConnectionError("the connection dropped before the reply was read")
+        return reply
+
+    monkeypatch.setattr(redis, "parse_response", parse_then_drop)
+    return dropped

@@ -6,7 +6,7 @@ import asyncio
 import math
 
 import pytest
-from helpers import wait_until
+from helpers import drop_a_reply, wait_until
 
 from rollq.engine.instant import FAIL_TOKEN, expected_tokens
 from rollq.episodes import EpisodeError
@@ -114,6 +114,28 @@ async def test_a_failed_turn_adds_nothing_and_can_be_sent_again(make_client, mak
     assert record.reason.startswith("not submitted: prompts[0]")
     turn = await episodes.turn(first.episode_id, [3])
     assert (await episodes.get(first.episode_id)).tokens == [1, 2, *first.tokens, 3, *turn.tokens]
+    await episodes.close()
+
+
+async def test_a_start_or_turn_whose_reply_was_lost_is_retried_not_refused(make_client, make_worker,
+                                                                          monkeypatch):
+    """The client retries a script whose connection dropped before its reply arrived, though Redis
+    ran it: the start's and the turn's scripts must know their own call again, not answer "taken"
+    or "its turn is still running" about the very call that began it."""
+    make_worker()
+    client = make_client()
+    episodes = client.episodes()
+    dropped = drop_a_reply(monkeypatch, client.redis, "EVALSHA", lambda reply: reply == b"ok")
+    [first] = await episodes.start([1, 2], sampling=SAMPLING, episode_id="lost")
+    assert dropped == [b"ok"]
+    dropped = drop_a_reply(monkeypatch, client.redis, "EVALSHA",
+                           lambda reply: isinstance(reply, list) and len(reply) == 4)
+    turn = await episodes.turn(first.episode_id, [3])
+    assert dropped and dropped[0][0] == b"ok"
+    record = await episodes.get(first.episode_id)
+    assert record.turns == 2 and record.tokens == [1, 2, *first.tokens, 3, *turn.tokens]
+    with pytest.raises(InvalidInput, match="'lost' is taken"):
+        await episodes.start([1, 2], sampling=SAMPLING, episode_id="lost")  # a second start is refused
     await episodes.close()
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from helpers import collect
+from helpers import collect, drop_a_reply
 from safetensors.torch import save_file
 
 from rollq.protocol import FileDigest, InvalidInput, Sampling, WorkItem, pack_tokens
@@ -86,6 +86,22 @@ async def test_versions_strictly_increase(make_publisher, weights_dir):
     with pytest.raises(InvalidInput, match="version=-1"):
         await client.publish_weights(-1, weights_dir)
     assert [e.version for e in await client.registry.entries()] == [3]
+
+
+async def test_a_publish_whose_reply_was_lost_is_retried_not_refused(make_publisher, weights_dir,
+                                                                    monkeypatch):
+    """The client retries a command whose connection dropped before its reply arrived, though
+    Redis ran it. The publish script must know its own entry again: refusing it (the newest is
+    this very version) made the publisher delete the files of the version it had registered, as
+    a chaos run's killed connection once did."""
+    client = make_publisher()
+    dropped = drop_a_reply(monkeypatch, client.redis, "EVALSHA", lambda reply: isinstance(reply, list))
+    entry = await client.publish_weights(3, weights_dir)
+    assert dropped, "no reply was dropped: the test did not test the retry"
+    assert await client.latest_version() == 3 and await client.registry.get(3) == entry
+    verify(entry.path, entry.files)  # its copy in the store was kept
+    with pytest.raises(VersionConflict, match="version 3 refused, the newest is 3"):
+        await client.publish_weights(3, weights_dir)  # another publish of 3 is still refused
 
 
 async def test_concurrent_publishers_of_one_version_exactly_one_wins(make_publisher, weights_dir,

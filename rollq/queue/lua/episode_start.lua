@@ -3,6 +3,12 @@
 -- ARGV: trainer, sampling, min_version, max_version, max_staleness, move, ttl, turn job,
 --       created_at, tokens, mask, logprobs, token versions (the prompt's).
 -- Returns REPLY_OK, or REPLY_DUP when a branch exists (the episode id is taken).
+-- Idempotent: the client retries a call whose reply a dropped connection lost; branches this very
+-- call made (same trainer, first turn job and created_at) are its own, not a taken id.
+local mine = redis.call('HMGET', KEYS[2], EPISODE_TRAINER, EPISODE_TURN_JOB, EPISODE_CREATED_AT)
+if mine[1] == ARGV[1] and mine[2] == ARGV[8] and mine[3] == ARGV[9] then
+  return REPLY_OK
+end
 for i = 2, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then
     return REPLY_DUP

@@ -2,6 +2,8 @@
 -- KEYS: the episode record, episodes set.  ARGV: trainer, turn job.
 -- Returns {REPLY_OK, tokens, version, turns}, {REPLY_GONE} (unknown, expired or another
 -- trainer's), {REPLY_BUSY, the running turn's job} or {REPLY_ENDED}.
+-- Idempotent: the client retries a call whose reply a dropped connection lost; a running turn
+-- that is this very call's job (a fresh id per call) answers as the call did.
 local found = redis.call('HMGET', KEYS[1], EPISODE_TRAINER, EPISODE_STATE, EPISODE_TURN_JOB,
   EPISODE_TTL)
 if found[1] ~= ARGV[1] then
@@ -10,7 +12,7 @@ end
 if found[2] == EPISODE_IS_ENDED then
   return {REPLY_ENDED}
 end
-if found[2] == EPISODE_IS_RUNNING then
+if found[2] == EPISODE_IS_RUNNING and found[3] ~= ARGV[2] then
   return {REPLY_BUSY, found[3]}
 end
 redis.call('HSET', KEYS[1], EPISODE_STATE, EPISODE_IS_RUNNING, EPISODE_TURN_JOB, ARGV[2])
