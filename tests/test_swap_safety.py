@@ -163,6 +163,27 @@ async def test_follower_survives_an_unexpected_error_and_keeps_following(
     assert 2 in worker.cannot_load  # never retried
 
 
+async def test_follower_outlives_an_error_outside_any_version(publisher, make_worker, weights_dir,
+                                                             monkeypatch, caplog):
+    """An error while reading announcements (not any version's fault) used to end the follower's
+    task silently: the worker served its old version for ever with a fresh heartbeat."""
+    worker, _ = make_worker(engine=InstantEngine(version=0))
+    redis, raised = worker.registry.redis, []
+    xread = redis.xread
+
+    async def failing_once(*args, **kwargs):
+        if not raised:
+            raised.append(True)
+            raise ValueError("a reply the follower did not expect")
+        return await xread(*args, **kwargs)
+
+    monkeypatch.setattr(redis, "xread", failing_once)
+    await wait_until(lambda: raised, what="the follower's read")
+    await publisher.publish_weights(1, weights_dir)
+    await wait_until(lambda: worker.engine.version == 1, what="follower still following: v1")
+    assert "following versions failed" in caplog.text and "ValueError: a reply" in caplog.text
+
+
 async def test_exact_version_a_worker_is_verifying_waits_for_it(
         publisher, make_worker, weights_dir, monkeypatch):
     """Issue 21, item 6: submitted while the worker verifies v2 and v3 is already published."""

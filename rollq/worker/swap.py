@@ -230,6 +230,11 @@ class VersionFollower:
                 except RedisError as e:
                     log.warning("reading new versions failed (%s); retrying", e)
                     await asyncio.sleep(self.poll_s)
+                except Exception as e:  # a bug must not end following silently: the worker
+                    # would serve its old version for ever, its heartbeat still fresh
+                    self.versions.failed(f"following versions failed: {type(e).__name__}: {e}")
+                    log.exception("following versions failed; retrying in %.1f s", self.poll_s)
+                    await asyncio.sleep(self.poll_s)
         finally:
             self._checker.shutdown(wait=False)
 
