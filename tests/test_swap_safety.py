@@ -5,11 +5,12 @@ wait instead of failing. Generation itself is tested on vLLM in test_swap_safety
 
 import asyncio
 import threading
+from pathlib import Path
 
 import msgspec
 import pytest
 import torch
-from helpers import collect, wait_until
+from helpers import collect, drop_a_reply, wait_until
 from safetensors.torch import save_file
 
 import rollq.worker.swap as swap_module
@@ -119,6 +120,20 @@ async def test_concurrent_retention_removes_each_version_once(publisher, weights
     removed = sorted(v for o in outcomes for v in o)
     assert removed == list(range(1, 8))  # each removed by exactly one of them
     assert [e.version for e in await publisher.registry.entries()] == [8]
+    left = [p.name for p in (tmp_path / "store").rglob("v*") if p.is_dir()]
+    assert len(left) == 1 and left[0].startswith("v0000000008-"), left
+
+
+async def test_a_retention_whose_reply_was_lost_still_deletes_the_files(publisher, weights_dir,
+                                                                        redis, tmp_path, monkeypatch):
+    """retire.lua ran, its reply was lost to a dropped connection and redis-py sent it again: the
+    second answer is GONE, and the version's directory must not stay on the store for ever."""
+    old = await publisher.publish_weights(1, weights_dir)
+    await publisher.publish_weights(2, weights_dir)
+    dropped = drop_a_reply(monkeypatch, redis, "EVALSHA", lambda reply: reply == b"ok")
+    assert await retain(redis, publisher.keys, WeightStore(tmp_path / "store"), keep=1) == []
+    assert dropped == [b"ok"]
+    assert await publisher.registry.get(1) is None and not Path(old.path).exists()
 
 
 async def test_concurrent_publishers_with_keep_never_fail_after_registering(

@@ -4,17 +4,20 @@ Adapter versions are retained like full ones (one version order); a kept adapter
 Workers unload an adapter that is no longer registered once no group runs on it.
 
 The last word is `Registry.retire` (one Lua script): a version is deregistered only if it is not
-the newest and no worker's pin lease is live, and the caller that deregistered it is the only
-one that deletes its files. Workers pin a version before verifying it (`Registry.pin`, which
-succeeds only while the version is registered), so a worker never loses files it is about to
-load, and two publishers' retentions never delete one version twice.
+the newest and no worker's pin lease is live, and only then are its files deleted: by the caller
+that deregistered it, or by one that found it deregistered already (GONE: its own call's reply
+may have been lost to a dropped connection and the call sent again). Workers pin a version
+before verifying it (`Registry.pin`, which succeeds only while the version is registered), so a
+worker never loses files it is about to load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from pathlib import Path
 
 from redis.asyncio import Redis
 
@@ -86,7 +89,15 @@ async def retain(redis: Redis, keys: Keys, store: WeightStore | None, keep: int)
     for entry in entries:
         if needed(entry.version):
             continue
-        if await registry.retire(entry.version) is not Reply.OK:  # pinned, newest, or someone else's
+        verdict = await registry.retire(entry.version)
+        if verdict is Reply.GONE and entry.owned and store is not None:
+            # Deregistered by someone else, or by this very call whose reply a dropped connection
+            # lost (redis-py sent it again): nobody can pin it any more, so its files may go;
+            # whoever deletes them first wins, quietly.
+            with contextlib.suppress(WeightError, OSError):
+                if Path(entry.path).exists():
+                    await asyncio.to_thread(store.delete, entry.path)
+        if verdict is not Reply.OK:  # pinned, newest, or someone else's
             continue
         removed.append(entry.version)
         if entry.owned and store is not None:
