@@ -156,6 +156,7 @@ class RolloutClient:
         trainer_id: str,
         max_outstanding: int = 65_536,
         max_outstanding_bytes: int = 1024**3,
+        max_image_bytes: int = 1024**3,
         weight_store: str | None = None,
         redis=None,
         reconnect_s: float = 60.0,
@@ -171,6 +172,11 @@ class RolloutClient:
         self.max_outstanding_bytes = max_outstanding_bytes
         """Quota on the bytes of this trainer's encoded work items waiting in Redis: the group
         quota alone lets 65,536 groups of 512 KiB prompts (32 GiB) wait there."""
+        if not 1024 <= max_image_bytes <= 2**40:
+            raise InvalidInput("max_image_bytes", f"{max_image_bytes} is out of range [1024, 2**40]")
+        self.max_image_bytes = max_image_bytes
+        """Budget on the bytes of the distinct images this trainer stored or named and keeps
+        alive in Redis (each for its TTL after the last submit naming it; `rollq/images.py`)."""
         self.reconnect_s = reconnect_s
         """How long calls keep retrying while Redis is unreachable."""
         self.redis = redis if redis is not None else connect(redis_url)
@@ -249,9 +255,12 @@ class RolloutClient:
     async def upload_image(self, data: bytes, *, ttl_s: int | None = None) -> imaging.ImageRef:
         """Store an image (bytes of a PNG, JPEG or WebP file) once; submits may then name it by
         the returned reference. Stored for `ttl_s` (default: a week), extended by each submit."""
+        ttl_s = imaging.IMAGE_TTL_S if ttl_s is None else ttl_s
+        if not isinstance(ttl_s, int) or not 1 <= ttl_s <= 30 * 86_400:
+            raise InvalidInput("ttl_s", f"ttl_s={ttl_s!r} must be an integer in [1, 2592000]")
         digest = imaging.group_images([data], "data", found := {})[0]
-        await self._retrying(imaging.store_images, self.redis, self.keys, found,
-                             ttl_s or imaging.IMAGE_TTL_S)
+        await self._retrying(imaging.store_images, self.scripts.store_images, self.keys,
+                             self.trainer_id, found, ttl_s, self.max_image_bytes)
         return imaging.ImageRef(digest)
 
     @staticmethod
@@ -266,7 +275,8 @@ class RolloutClient:
         """Before the items that name them are queued: a worker never reads a missing image."""
         if found:
             ttl = max(imaging.IMAGE_TTL_S, int(deadline_s or 0) + 3600)
-            await self._retrying(imaging.store_images, self.redis, self.keys, found, ttl)
+            await self._retrying(imaging.store_images, self.scripts.store_images, self.keys,
+                                 self.trainer_id, found, ttl, self.max_image_bytes)
 
     async def submit_chat(
         self,

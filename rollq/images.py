@@ -23,6 +23,7 @@ import binascii
 import copy
 import io
 import re
+import time
 from typing import Any
 
 import blake3
@@ -32,6 +33,7 @@ from PIL import Image, UnidentifiedImageError
 from rollq.protocol import (MAX_GROUP_PIXELS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, Chat,
                             InvalidInput)
 from rollq.queue.keys import Keys
+from rollq.queue.names import Reply
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 """What Pillow may open: everything else (GIF, SVG, TIFF, ...) is refused by name."""
@@ -190,31 +192,29 @@ def chat_images(messages: list[dict[str, Any]], field: str,
     return out, digests
 
 
-async def store_images(redis: Any, keys: Keys, found: dict[str, bytes | None], ttl_s: int) -> int:
+async def store_images(script: Any, keys: Keys, trainer: str, found: dict[str, bytes | None],
+                       ttl_s: int, budget: int) -> int:
     """Make every image of `found` live at least `ttl_s` more seconds, writing only those Redis
-    does not hold; returns the bytes written. A reference (None) to an image Redis no longer
-    holds is an InvalidInput: upload it again."""
+    does not hold, within the trainer's image budget (`store_images.lua`); returns the bytes
+    written. InvalidInput for a reference (None) to an image Redis no longer holds (upload it
+    again), or for images that would take the trainer over `budget` bytes."""
     if not found:
         return 0
     digests = list(found)
-    pipe = redis.pipeline(transaction=False)
+    args: list[Any] = [int(time.time()), ttl_s, budget]
     for digest in digests:
-        pipe.expire(keys.image(digest), ttl_s, gt=True)  # extend, never shorten
-        pipe.exists(keys.image(digest))
-    held = (await pipe.execute())[1::2]
-    missing = [d for d, h in zip(digests, held) if not h]
-    gone = [d for d in missing if found[d] is None]
-    if gone:
-        raise InvalidInput("images", f"image {gone[0]} is not stored (expired or never uploaded): "
-                                     f"upload it again")
-    if not missing:
-        return 0
-    pipe = redis.pipeline(transaction=False)
-    for digest in missing:
-        pipe.set(keys.image(digest), found[digest], nx=True, ex=ttl_s)
-        pipe.expire(keys.image(digest), ttl_s, gt=True)  # another client's SET won the race
-    await pipe.execute()
-    return sum(len(found[d]) for d in missing)
+        args += [digest, found[digest] or b""]
+    reply = await script(keys=[keys.image_holds(trainer), keys.image_bytes(trainer),
+                               *map(keys.image, digests)], args=args)
+    word = Reply(reply[0].decode())
+    if word is Reply.GONE:
+        raise InvalidInput("images", f"image {reply[1].decode()} is not stored (expired or never "
+                                     "uploaded): upload it again")
+    if word is Reply.BYTES:
+        raise InvalidInput("images", f"the images trainer {trainer!r} stored or named in the last "
+                                     f"{ttl_s} s hold {int(reply[1])} bytes; these add {int(reply[2])} "
+                                     f"more, over its budget max_image_bytes={budget}")
+    return int(reply[1])
 
 
 # --- Worker side: digests -> checked, decoded images --------------------------------------------

@@ -3,10 +3,12 @@ data URLs converted and remote URLs refused, hostile files refused before any pi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import resource
 
 import pytest
+from helpers import drop_a_reply
 from PIL import Image
 from vlm import encoded, hostile_images, noise_image
 
@@ -55,6 +57,37 @@ async def test_references_extend_the_image_and_a_missing_one_is_refused(make_cli
     with pytest.raises(InvalidInput, match="not stored") as e:
         await client.submit([[1, 7]], 1, images=[[missing]])
     assert e.value.field == "images"
+
+
+async def test_a_trainers_images_stay_within_its_budget_until_their_holds_expire(make_client, redis,
+                                                                                   monkeypatch):
+    """Image bytes are outside the prompt byte quota (stored once, shared): each trainer's distinct
+    images count against its own budget until a hold's TTL ends, a repeated image never twice,
+    not even when a dropped connection makes redis-py send the script again."""
+    other = encoded(noise_image(2, (600, 600)))
+    client = make_client(max_image_bytes=len(IMAGE) + len(other) // 2)
+    lost = drop_a_reply(monkeypatch, client.redis, "EVALSHA",
+                        lambda reply: isinstance(reply, list) and len(reply) == 2 and reply[0] == b"ok")
+    await client.submit([[1, 7]], 1, images=[[IMAGE]], job_id="first")
+    assert lost and await redis.get(client.keys.image_bytes("trainer")) == str(len(IMAGE)).encode()
+    await client.submit([[1, 7]] * 3, 1, images=[[IMAGE]] * 3, job_id="again")  # held already
+    with pytest.raises(InvalidInput, match=f"hold {len(IMAGE)} bytes; these add {len(other)} more, "
+                                           r"over its budget max_image_bytes=\d+") as e:
+        await client.submit([[1, 7]], 1, images=[[other]], job_id="over")
+    assert e.value.field == "images" and not await redis.exists(client.keys.image(digest_of(other)))
+    with pytest.raises(KeyError):
+        await client.status("over")  # refused before anything was queued
+    await make_client("bob").submit([[1, 7]], 1, images=[[other]])  # bob's budget is his own
+    # A hold ends with its TTL: then the bytes count no more.
+    small = make_client("carol", max_image_bytes=len(IMAGE) + 1024)
+    await small.upload_image(IMAGE, ttl_s=1)
+    with pytest.raises(InvalidInput, match="max_image_bytes"):
+        await small.upload_image(other, ttl_s=1)
+    await asyncio.sleep(1.5)
+    await small.upload_image(other, ttl_s=60)
+    assert await redis.get(small.keys.image_bytes("carol")) == str(len(other)).encode()
+    with pytest.raises(InvalidInput, match="ttl_s"):
+        await small.upload_image(other, ttl_s=0)
 
 
 @pytest.mark.parametrize("name", list(hostile_images()))

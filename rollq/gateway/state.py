@@ -55,6 +55,7 @@ class Gateway:
             self._clients[key] = RolloutClient(policy=policy, trainer_id=trainer, redis=self.redis,
                                                max_outstanding=self.settings.max_outstanding,
                                                max_outstanding_bytes=self.settings.max_outstanding_bytes,
+                                               max_image_bytes=self.settings.max_image_bytes,
                                                weight_store=self.settings.weight_store)
         return self._clients[key]
 

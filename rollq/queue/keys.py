@@ -118,6 +118,15 @@ class Keys:
         whatever the number of groups and jobs naming it; expires (`rollq/images.py`)."""
         return f"{self._p}:image:{digest}"
 
+    def image_holds(self, trainer: str) -> str:
+        """Sorted set (digest followed by its bytes) -> expiry (unix s): the images a trainer
+        stored or named and keeps alive; with `image_bytes`, its image budget (`rollq/images.py`)."""
+        return f"{self._p}:image-holds:{trainer}"
+
+    def image_bytes(self, trainer: str) -> str:
+        """Counter: the bytes of the images in `image_holds(trainer)`."""
+        return f"{self._p}:image-bytes:{trainer}"
+
     def routed_work(self, trainer: str, worker: str, version: int) -> str:
         """Work stream of one trainer's groups routed to one worker while it serves `version`
         (episode turns: that worker holds their prefix in its cache). Read by that worker, and by

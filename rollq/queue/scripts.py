@@ -20,7 +20,8 @@ from rollq.queue.connection import Durability, check_replicated, durability, que
 from rollq.queue.names import lua_preamble
 
 NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish", "pin",
-         "retire", "episode_start", "episode_turn", "episode_apply", "episode_end", "route_prune")
+         "retire", "episode_start", "episode_turn", "episode_apply", "episode_end", "route_prune",
+         "store_images")
 
 
 @cache
@@ -57,6 +58,7 @@ class Scripts:
     episode_apply: AsyncScript
     episode_end: AsyncScript
     route_prune: AsyncScript
+    store_images: AsyncScript
 
 
 Call = tuple[AsyncScript, list, list]

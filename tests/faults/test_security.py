@@ -154,6 +154,32 @@ async def test_acl_trainer_cannot_touch_another_trainers_jobs_quota_or_claim_ord
     assert theirs.prompt_ids == [2]
 
 
+async def test_acl_trainer_users_store_images_within_their_own_budget(acl, policy):
+    """Under `rollq acl`, a trainer stores images (the shared image keys, its own holds), the
+    same image another stored is held by both, and no trainer can delete an image or touch
+    another's holds."""
+    from vlm import encoded, noise_image
+
+    from rollq.images import digest_of
+
+    image = encoded(noise_image(3, (64, 64)))
+    keys = Keys(policy)
+    alice, mallory = acl.client("alice"), acl.client("mallory")
+    await acl.worker()
+    await alice.submit([[1]], n=1, images=[[image]])
+    await mallory.upload_image(image)
+    [mine] = await alice.take(1, timeout_s=30)
+    assert mine.status in ("ok", "failed") and mine.prompt_ids == [1]  # (no VLM: it may fail)
+    m = mallory.redis
+    for attack in (m.delete(keys.image(digest_of(image))), m.unlink(keys.image(digest_of(image))),
+                   m.zrange(keys.image_holds("alice"), 0, -1), m.set(keys.image_bytes("alice"), 0),
+                   m.set(keys.trainers, "x")):
+        with pytest.raises(NoPermissionError):
+            await attack
+    for trainer in ("alice", "mallory"):
+        assert await acl.admin.get(keys.image_bytes(trainer)) == str(len(image)).encode()
+
+
 async def _status_of(client: RolloutClient, trainer: str):
     """A client posing as another trainer cannot read that trainer's job record."""
     posing = RolloutClient(redis=client.redis, policy=client.keys.policy, trainer_id=trainer)
