@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
+import json
 import resource
 
 import pytest
@@ -88,6 +90,21 @@ async def test_a_trainers_images_stay_within_its_budget_until_their_holds_expire
     assert await redis.get(small.keys.image_bytes("carol")) == str(len(other)).encode()
     with pytest.raises(InvalidInput, match="ttl_s"):
         await small.upload_image(other, ttl_s=0)
+
+
+async def test_the_gateway_refuses_images_over_a_trainers_budget_naming_it(make_gateway, policy):
+    import aiohttp
+
+    gw = await make_gateway(max_image_bytes=len(IMAGE) // 2)
+    body = {"model": policy, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is it?"},
+        {"type": "image_url", "image_url": {"url": data_url(IMAGE)}}]}]}
+    async with (aiohttp.ClientSession(gw.url, headers=gw.headers()) as http,
+                http.post("/v1/chat/completions", data=io.BytesIO(json.dumps(body).encode()),
+                          headers={"Content-Type": "application/json"}) as r):
+        error = (await r.json())["error"]  # (a ~1.4 MB body: aiohttp wants it as a stream)
+    assert r.status == 400 and error["param"] == "images", error
+    assert f"over its budget max_image_bytes={len(IMAGE) // 2}" in error["message"], error
 
 
 @pytest.mark.parametrize("name", list(hostile_images()))
