@@ -16,7 +16,8 @@ by one script (`episode_apply.lua`), idempotent on the turn's job id. `n` branch
 turn is one group of n samples, and branch i (`<episode_id>.<i>`) continues from sample i.
 
 Turns are submitted as the derived trainer `<trainer>~episodes~<owner>`, whose results one router
-task of this object reads, applies and acknowledges. A turn goes to the worker that served the
+task of this object reads, applies and acknowledges. Name the owner to survive a restart: a new
+client's `recover()` applies the turns its predecessor left running. A turn goes to the worker that served the
 previous one (its prefix cache holds the episode) while that worker is alive and serves the
 turn's version, through a work stream routed to it (`Keys.routed_work`); else to any worker.
 """
@@ -152,6 +153,20 @@ def _token_ids(field: str, ids: Sequence[int]) -> list[int]:
     return list(ids)
 
 
+def _start_job(episode_id: str) -> str:
+    return f"{episode_id}.t0"
+
+
+def _turn_job(branch: str) -> str:
+    return f"{branch}.t{uuid.uuid4().hex[:12]}"
+
+
+def _job_episode(job_id: str) -> tuple[str, bool]:
+    """(the episode or branch a turn's job belongs to, whether it is the start's job)."""
+    head, _, tail = job_id.rpartition(".t")
+    return head, tail == "0"
+
+
 def _version_at(segments: list[tuple[int, int]], k: int) -> int:
     found = segments[0][0] if segments else _NOT_SAMPLED
     for version, start in segments:
@@ -222,7 +237,7 @@ class Episodes:
             raise InvalidInput("ttl_s", f"ttl_s={ttl_s} must be in [1, 2592000]")
         prompt = _token_ids("prompt", prompt)
         branches = [f"{episode_id}.{i}" for i in range(n)]
-        job_id = f"{episode_id}.t0"
+        job_id = _start_job(episode_id)
         arrays = _added(prompt, None)
         reply = await self.client.scripts.episode_start(
             keys=[self.keys.episodes, *map(self._key, branches)],
@@ -249,7 +264,7 @@ class Episodes:
                                                       "or expired: start a new one)")
         version = int(fields[5]) if fields[5] else None
         move = fields[4] == b"1"
-        job_id = f"{episode_id}.t{uuid.uuid4().hex[:12]}"
+        job_id = _turn_job(episode_id)
         reply = await self.client.scripts.episode_turn(
             keys=[key, self.keys.episodes], args=[self.trainer, job_id],
             client=self.client.redis)
@@ -386,14 +401,14 @@ class Episodes:
 
     async def _route_results(self) -> None:
         """Read the turns' results, apply each to its episodes, then acknowledge it and wake its
-        caller. A result nobody waits for (a restarted client's) is acknowledged and dropped: its
-        episode stays `running` until it expires."""
+        caller. A result nobody waits for (a turn of a client that stopped, with this owner) is
+        applied to its episode all the same (`_adopt`)."""
         while self._waiting and not self._stopping:
             results = await self._submitter.arrived(max_count=64, block_s=0.5, ack="manual")
             for result in results:
                 found = self._waiting.pop(result.job_id, None)
                 if found is None:
-                    log.warning("result of %s: no turn waits for it; dropped", result.job_id)
+                    await self._adopt(result)
                 else:
                     branches, new_tokens, waiter = found
                     try:
@@ -406,6 +421,55 @@ class Episodes:
                             waiter.set_result(result)
             if results:
                 await self._submitter.ack(results)
+
+
+    async def _adopt(self, result: GroupResult) -> bool:
+        """Apply a turn's result that no caller waits for; False if its episode no longer runs
+        that turn (applied before, ended, expired). Its new tokens are what the job's prompt
+        holds beyond the record's sequence."""
+        episode, first = _job_episode(result.job_id)
+        branches = [episode]
+        if first:  # the start's one group of n samples: branches <episode>.0 .. <episode>.(n-1)
+            branches = []
+            while await self.client.redis.exists(self._key(f"{episode}.{len(branches)}")):
+                branches.append(f"{episode}.{len(branches)}")
+        if not branches:
+            return False
+        record = await self.client.redis.hmget(self._key(branches[0]), EpisodeField.TURN_JOB,
+                                               EpisodeField.STATE, EpisodeField.TOKENS)
+        if _text(record[0]) != result.job_id or _text(record[1]) != EpisodeState.RUNNING:
+            return False
+        before, prompt, new_tokens = unpack_tokens(record[2] or b""), result.prompt_ids, []
+        if result.status == "ok":  # (a failed turn adds nothing: its new tokens do not matter)
+            if prompt[:len(before)] != before:
+                log.warning("turn %s: its prompt does not continue episode %s; not applied",
+                            result.job_id, episode)
+                return False
+            new_tokens = prompt[len(before):]
+        await self._apply(result.job_id, branches, new_tokens, result)
+        log.info("applied turn %s of episode %s, which no caller waited for", result.job_id, episode)
+        return True
+
+    async def recover(self, *, timeout_s: float = 60.0) -> int:
+        """After a restart: apply the turns this owner's earlier client started and no longer
+        waits for (open this object with the same `owner`: the turns' results come back on its
+        stream). Waits up to `timeout_s` for turns still running; returns how many it applied.
+        Each such episode is then idle (a failed turn's reason recorded) and takes turns again."""
+        from rollq.queue import jobs
+
+        if self._waiting:
+            raise RuntimeError("recover() is for a fresh Episodes object: this one has turns running")
+        applied, give_up = 0, time.monotonic() + timeout_s
+        submitter = self._submitter
+        while time.monotonic() < give_up:
+            results = await submitter.arrived(max_count=64, block_s=0.2, ack="manual")
+            for result in results:
+                applied += await self._adopt(result)
+            if results:
+                await submitter.ack(results)
+            elif not await jobs.outstanding(self.client.redis, self.keys, submitter.trainer_id):
+                break
+        return applied
 
 
 CONTINUATION_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})

@@ -139,6 +139,36 @@ async def test_a_start_or_turn_whose_reply_was_lost_is_retried_not_refused(make_
     await episodes.close()
 
 
+async def test_a_restarted_client_recovers_the_turns_its_predecessor_left_running(make_client,
+                                                                                  make_worker):
+    """A trainer that stops mid-turn (its turn's result unread) and starts again with the same
+    owner gets the turn applied to its episode by `recover()`, and the episode goes on."""
+    make_worker(delay_s=1.0)
+    before = make_client().episodes(owner="run-7")
+    [first] = await before.start([11, 12], sampling=SAMPLING, episode_id="e")
+    turn = asyncio.create_task(before.turn(first.episode_id, [21]))
+    await wait_until(lambda: before.get(first.episode_id), what="the record")
+    await wait_until(lambda: _running(before, first.episode_id), what="the turn to run")
+    turn.cancel()
+    await before.close()  # the trainer is gone before the turn's result arrives
+
+    after = make_client().episodes(owner="run-7")
+    assert await after.recover(timeout_s=30) == 1
+    record = await after.get(first.episode_id)
+    sequence = [11, 12, *first.tokens, 21]
+    assert record.state == EpisodeState.IDLE and record.turns == 2
+    assert record.tokens == sequence + expected_tokens(pack_tokens(sequence), 0, 5, 32_000)
+    assert record.mask == [0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1]
+    again = await after.turn(first.episode_id, [31])  # and it goes on
+    assert (await after.get(first.episode_id)).tokens == record.tokens + [31, *again.tokens]
+    assert await after.recover(timeout_s=1) == 0  # nothing left
+    await after.close()
+
+
+async def _running(episodes, episode_id: str) -> bool:
+    return (await episodes.get(episode_id)).state == EpisodeState.RUNNING
+
+
 async def test_retention_keeps_the_version_of_a_live_episode(make_client, make_worker, redis, tmp_path):
     client = make_client(weight_store=str(tmp_path / "store"))
     for v in (1, 2, 3):  # registered by hand: retention only reads entries
