@@ -17,9 +17,10 @@ turn is one group of n samples, and branch i (`<episode_id>.<i>`) continues from
 
 Turns are submitted as the derived trainer `<trainer>~episodes~<owner>`, whose results one router
 task of this object reads, applies and acknowledges. Name the owner to survive a restart: a new
-client's `recover()` applies the turns its predecessor left running. A turn goes to the worker that served the
-previous one (its prefix cache holds the episode) while that worker is alive and serves the
-turn's version, through a work stream routed to it (`Keys.routed_work`); else to any worker.
+client's `recover()` applies the turns its predecessor left running. A turn goes to the worker
+that served the previous one (its prefix cache holds the episode) while that worker is alive and
+serves the turn's version, through a work stream routed to it (`Keys.routed_work`); else to any
+worker.
 """
 
 from __future__ import annotations
@@ -421,7 +422,6 @@ class Episodes:
                             waiter.set_result(result)
             if results:
                 await self._submitter.ack(results)
-
 
     async def _adopt(self, result: GroupResult) -> bool:
         """Apply a turn's result that no caller waits for; False if its episode no longer runs

@@ -211,9 +211,10 @@ async def store_images(script: Any, keys: Keys, trainer: str, found: dict[str, b
         raise InvalidInput("images", f"image {reply[1].decode()} is not stored (expired or never "
                                      "uploaded): upload it again")
     if word is Reply.BYTES:
-        raise InvalidInput("images", f"the images trainer {trainer!r} stored or named in the last "
-                                     f"{ttl_s} s hold {int(reply[1])} bytes; these add {int(reply[2])} "
-                                     f"more, over its budget max_image_bytes={budget}")
+        raise InvalidInput("images", f"the images trainer {trainer!r} keeps stored (each until its "
+                                     "TTL after the last submit naming it) hold "
+                                     f"{int(reply[1])} bytes; these add {int(reply[2])} more, over its "
+                                     f"budget max_image_bytes={budget}")
     return int(reply[1])
 
 
