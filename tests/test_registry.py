@@ -280,6 +280,28 @@ async def test_peft_model_is_merged_without_changing_the_trainer(make_publisher,
     assert all(torch.equal(before[k], after[k]) for k in before)  # unmerged again
 
 
+def test_adapter_of_is_peft_state_dict_reading_the_base_config_once(tiny_model, monkeypatch):
+    """A PEFT model's adapter is exactly PEFT's adapter state dict; PEFT's "auto" check of the
+    base model's config (a read of its directory, or a Hub request) runs for the first publish
+    of a model, not for every one."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rollq.registry.sources import adapter_of
+
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    expected = get_peft_model_state_dict(model)
+    reads, read = [], LlamaConfig.from_pretrained.__func__
+    monkeypatch.setattr(LlamaConfig, "from_pretrained",
+                        classmethod(lambda cls, *a, **kw: reads.append(a) or read(cls, *a, **kw)))
+    for _ in range(3):
+        tensors, _ = adapter_of(model)
+        assert tensors.keys() == expected.keys()
+        assert all(torch.equal(tensors[k], expected[k]) for k in expected)
+    assert len(reads) == 1
+
+
 async def test_versions_registered_with_sha256_still_verify(make_publisher, weights_dir):
     """Entries written before BLAKE3 have three fields and no algorithm: they mean sha256, and
     the worker's and store's checks still catch a change in their files."""

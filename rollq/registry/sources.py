@@ -12,6 +12,7 @@ module, adapter tensors (`lora_*`) are dropped. Published as an adapter version 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 _PEFT_DROP = ("lora_", ".original_module.")
@@ -122,6 +123,28 @@ def gathered(source: Any) -> dict[str, Any] | None:
     return saveable(clean_peft_names(out)) if keep else None
 
 
+_EMBEDDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""PEFT model -> {(adapter, vocab size, base model): whether its state dict holds embeddings}."""
+
+
+def _adapter_tensors(model: Any, name: str) -> dict[str, Any]:
+    """PEFT's state dict of adapter `name`, its "auto" choice of saving embeddings remembered:
+    "auto" reads the base model's config again on every call (from its directory, or a request
+    to the Hub) to see whether the vocabulary was resized, 1.3-1.8 ms of the call here (more
+    under load). The first call for a model asks PEFT both ways to learn its choice."""
+    from peft import get_peft_model_state_dict
+
+    key = (name, getattr(getattr(model, "config", None), "vocab_size", None),
+           getattr(model.peft_config[name], "base_model_name_or_path", None))
+    known = _EMBEDDINGS.setdefault(model, {})
+    if key in known:
+        return get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=known[key])
+    auto = get_peft_model_state_dict(model, adapter_name=name)
+    known[key] = bool(auto.keys() - get_peft_model_state_dict(
+        model, adapter_name=name, save_embedding_layers=False).keys())
+    return auto
+
+
 def adapter_of(model: Any) -> tuple[dict[str, Any], bytes]:
     """A PEFT model's active LoRA adapter -> (its tensors, copied; its config as JSON bytes),
     as PEFT's `save_pretrained` would write them (`adapter_model.safetensors`, `adapter_config.json`)."""
@@ -131,12 +154,10 @@ def adapter_of(model: Any) -> tuple[dict[str, Any], bytes]:
     if not _is_peft(model):
         raise TypeError(f"cannot publish a {type(model).__name__} as an adapter: give a PEFT model "
                         "or a directory PEFT's save_pretrained wrote")
-    from peft import get_peft_model_state_dict
-
     name = model.active_adapter
     if not isinstance(name, str):
         raise TypeError(f"a PEFT model with several active adapters ({name}) is not one adapter")
-    tensors = get_peft_model_state_dict(model, adapter_name=name)
+    tensors = _adapter_tensors(model, name)
 
     def plain(value: Any) -> Any:  # what json cannot write: PEFT keeps sets and enums in configs
         if isinstance(value, (set, frozenset)):

@@ -42,14 +42,17 @@ def digest_file(path: Path, algorithm: str = DIGEST) -> str:
         return _digest_of(f, algorithm)
 
 
+def _hasher(algorithm: str):
+    if algorithm == "blake3":
+        return blake3.blake3(max_threads=blake3.blake3.AUTO)  # releases the GIL as it hashes
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise WeightError(f"unknown digest algorithm {algorithm!r} (blake3 or sha256)")
+
+
 def _digest_of(f, algorithm: str) -> str:
     """Hash an open file from its start, through one reused buffer (no chunk copies)."""
-    if algorithm == "blake3":
-        digest = blake3.blake3(max_threads=blake3.blake3.AUTO)  # releases the GIL as it hashes
-    elif algorithm == "sha256":
-        digest = hashlib.sha256()
-    else:
-        raise WeightError(f"unknown digest algorithm {algorithm!r} (blake3 or sha256)")
+    digest = _hasher(algorithm)
     f.seek(0)
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
@@ -60,7 +63,17 @@ def _digest_of(f, algorithm: str) -> str:
 
 def check_digest(f, expected: FileDigest) -> None:
     """The open file `f` hashes to its registered digest, or WeightError."""
-    actual = _digest_of(f, expected.algorithm)
+    _compare(_digest_of(f, expected.algorithm), expected)
+
+
+def check_digest_of(data: memoryview, expected: FileDigest) -> None:
+    """Bytes in memory hash to the registered digest, or WeightError."""
+    digest = _hasher(expected.algorithm)
+    digest.update(data)
+    _compare(digest.hexdigest(), expected)
+
+
+def _compare(actual: str, expected: FileDigest) -> None:
     if actual != expected.digest:
         raise WeightError(f"{expected.name}: {expected.algorithm} {actual[:12]}… does not match "
                           f"the registered {expected.digest[:12]}… (corrupted or replaced)")

@@ -64,6 +64,8 @@ class ResidentAdapters:
         self.serving: set[int] = set()
         """`id` of each group item choosing or running on an adapter: a swap drains them."""
         self._loading: dict[int, asyncio.Future] = {}
+        self._settling: set[asyncio.Future] = set()
+        """Unpins and evictions after a load (held here: the loop keeps only weak references)."""
 
     async def refresh(self, newest: int | None) -> None:
         """Read the registry's versions; unload adapters it no longer holds that nobody uses."""
@@ -134,12 +136,13 @@ class ResidentAdapters:
             self.entries.pop(version, None)  # retired meanwhile
             return False
         worker.heartbeat.holds.add(version)
-        snapshot = self.snapshots.new(version)
+        snapshot, loaded = self.snapshots.new(version), False
         try:
             await asyncio.to_thread(check_adapter_version, entry, self.base_schema, self.max_rank,
                                     snapshot)
             adapter = Adapter(version, entry.base, str(snapshot))
             await worker.engine.add_adapter(adapter)
+            loaded = True
         except RedisError:
             self.snapshots.drop(snapshot)
             raise
@@ -150,13 +153,26 @@ class ResidentAdapters:
             log.error("%s; still serving version %d", self.refused[version], worker.engine.version)
             return False
         finally:
-            worker.heartbeat.holds.discard(version)
-            with contextlib.suppress(RedisError):  # else the lease lapses by itself
-                await self.registry.unpin(version, worker.worker_id)
+            if not loaded:
+                await self._unpin(version)
         self.loaded[version] = adapter
+        # Servable from here: the unpin, the log line (rich's handler: ~0.5 ms) and any eviction
+        # (an engine call) run after the groups waiting for it have started.
+        settling = asyncio.ensure_future(self._settle(entry))
+        self._settling.add(settling)
+        settling.add_done_callback(self._settling.discard)
+        return True
+
+    async def _settle(self, entry: VersionEntry) -> None:
+        version = entry.version
+        await self._unpin(version)
         log.info("adapter version %d loaded (on version %d)", version, entry.base)
         await self._evict()
-        return True
+
+    async def _unpin(self, version: int) -> None:
+        self.worker.heartbeat.holds.discard(version)
+        with contextlib.suppress(RedisError):  # else the lease lapses by itself
+            await self.registry.unpin(version, self.worker.worker_id)
 
     async def _evict(self) -> None:
         """Keep at most `capacity` adapters loaded, the least recently used going first."""
@@ -167,7 +183,9 @@ class ResidentAdapters:
             await self._unload(idle)
 
     async def _unload(self, version: int) -> None:
-        adapter = self.loaded.pop(version)
+        adapter = self.loaded.pop(version, None)
+        if adapter is None:  # unloaded meanwhile (an eviction and a refresh both chose it)
+            return
         try:
             await self.worker.engine.remove_adapter(version)
         except Exception as e:  # the engine keeps a spare adapter: harmless, and said
