@@ -147,6 +147,7 @@ class WorkQueue:
         self._reclaim_cursor: dict[str, str] = {}
         self._finishing: list[tuple[tuple, tuple, _Waiter, int]] = []
         self._by_stream: dict[str, tuple[str, str, str]] = {}
+        self._by_job: dict[tuple[str, str], tuple[str, str]] = {}
         self._finisher: asyncio.Task | None = None
         self._next_prune = 0.0
         self._recent_jobs: list[str] = []
@@ -382,11 +383,10 @@ class WorkQueue:
 
     def _finish_call(self, claimed: Claimed, status: str, payload: bytes,
                      dead_reason: str) -> tuple[tuple, tuple]:
-        trainer, results, outstanding_bytes = self._trainer_keys(claimed.stream)
-        job_id = claimed.job_id or "-"
+        _, results, outstanding_bytes = self._trainer_keys(claimed.stream)
+        job, done = self._job_keys(claimed.stream, claimed.job_id or "-")
         group = "" if claimed.group_index is None or not claimed.job_id else str(claimed.group_index)
-        keys = (claimed.stream, results, self.keys.job(trainer, job_id), self.keys.done(trainer, job_id),
-                outstanding_bytes)
+        keys = (claimed.stream, results, job, done, outstanding_bytes)
         raw = claimed.data or b""
         # The item goes back to Redis only into a dead letter: the byte count needs its size.
         args = (claimed.entry_id, group, status, _lua_string(payload), dead_reason, len(raw),
@@ -449,21 +449,20 @@ class WorkQueue:
     async def job_states(self, claimed: list[Claimed]) -> dict[tuple[str, str], JobState | None]:
         """The state of each entry's job by entry key; None for a job without a record (or an
         entry that names none). Read once per job: a batch holds many groups of few jobs."""
-        return await self._job_states(claimed, {})
+        return await self._job_states(self._jobs(claimed), {})
 
     async def claimed_states(self, claimed: list[Claimed]) -> dict[tuple[str, str], JobState | None]:
         """`job_states` of what the last `claim` (and reclaims before it) returned. The claim read
         the state of the previous claim's jobs in its own round trip, after its reads: a job's
         groups are claimed in a row, so most claims need no round trip of their own for this."""
-        states = await self._job_states(claimed, self._claim_states)
+        jobs = self._jobs(claimed)
+        states = await self._job_states(jobs, self._claim_states)
         self._claim_states = {}
-        jobs = dict.fromkeys(self._job_key(c) for c in claimed if c.job_id)
-        self._recent_jobs = list(jobs)[-READ_AHEAD_JOBS:]
+        self._recent_jobs = list(dict.fromkeys(jobs.values()))[-READ_AHEAD_JOBS:]
         return states
 
-    async def _job_states(self, claimed: list[Claimed],
+    async def _job_states(self, jobs: dict[tuple[str, str], str],
                           known: dict[str, JobState | None]) -> dict[tuple[str, str], JobState | None]:
-        jobs = {c.key: self._job_key(c) for c in claimed if c.job_id}
         states = dict(known)
         distinct = [job for job in dict.fromkeys(jobs.values()) if job not in states]
         if distinct:
@@ -473,5 +472,17 @@ class WorkQueue:
                 states.update(zip(distinct, map(_job_state, await pipe.execute())))
         return {key: states[job] for key, job in jobs.items()}
 
-    def _job_key(self, c: Claimed) -> str:
-        return self.keys.job(self._trainer_keys(c.stream)[0], c.job_id)
+    def _jobs(self, claimed: list[Claimed]) -> dict[tuple[str, str], str]:
+        """The job record of each entry that names a job, by entry key."""
+        return {c.key: self._job_keys(c.stream, c.job_id)[0] for c in claimed if c.job_id}
+
+    def _job_keys(self, stream: str, job_id: str) -> tuple[str, str]:
+        """A job's record and done hash (looked up per group: cached for the recent jobs)."""
+        found = self._by_job.get((stream, job_id))
+        if found is None:
+            if len(self._by_job) >= 64:
+                self._by_job.clear()
+            trainer = self._trainer_keys(stream)[0]
+            found = self._by_job[stream, job_id] = (self.keys.job(trainer, job_id),
+                                                    self.keys.done(trainer, job_id))
+        return found
