@@ -6,10 +6,12 @@ import asyncio
 
 from redis.exceptions import ResponseError
 
+from rollq.engine.instant import InstantEngine
 from rollq.protocol import GroupResult, encode
 from rollq.queue.keys import Keys
 from rollq.queue.names import Group, JobState
 from rollq.queue.work import WorkQueue
+from rollq.worker.loop import Worker
 
 
 async def _calls(redis, command: str) -> int:
@@ -194,3 +196,15 @@ async def test_a_claim_reads_the_state_of_the_jobs_of_the_claim_before(redis, po
     assert [(c.job_id, states[c.key]) for c in second] == [
         (job, JobState.CANCELLED), (job, JobState.CANCELLED), (other, JobState.PENDING)]
     assert await queue.job_states(second) == states  # the renewals' read: always its own
+
+
+async def test_an_engine_that_answers_at_once_claims_half_its_slots_at_a_time(redis, policy):
+    """One half's results are written while the other half is claimed: an instant engine's
+    worker claims at most half of max_inflight at once; an engine that suspends, all of it."""
+    queue = WorkQueue(redis, Keys(policy), "w1", job_ttl_s=600)
+
+    def worker(engine: InstantEngine) -> Worker:
+        return Worker(queue, engine, max_inflight=8, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1)
+
+    assert worker(InstantEngine())._free_slots() == 4
+    assert worker(InstantEngine(delay_s=0.01))._free_slots() == 8
