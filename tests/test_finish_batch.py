@@ -6,10 +6,12 @@ import asyncio
 
 from redis.exceptions import ResponseError
 
+from rollq.engine.instant import InstantEngine
 from rollq.protocol import GroupResult, encode
 from rollq.queue.keys import Keys
-from rollq.queue.names import Group
+from rollq.queue.names import Group, JobState
 from rollq.queue.work import WorkQueue
+from rollq.worker.loop import Worker
 
 
 async def _calls(redis, command: str) -> int:
@@ -171,3 +173,38 @@ async def test_a_job_record_without_groups_fails_its_entries_alone(redis, policy
     assert (record[b"done"], record[b"ok"]) == (b"2", b"2")
     assert await redis.xpending(claimed[0].stream, Group.WORKERS) == {
         "pending": 0, "min": None, "max": None, "consumers": []}
+
+
+async def test_a_claim_reads_the_state_of_the_jobs_of_the_claim_before(redis, policy, make_client):
+    """A job's groups are claimed in a row: a claim reads the state of the previous claim's jobs
+    in its own round trip, after its reads, so a cancel before the claim is seen without a
+    round trip of its own; a job the claim did not read along is read apart."""
+    client = make_client()
+    job = await client.submit([[i + 1] for i in range(4)], n=1)
+    queue = WorkQueue(redis, Keys(policy), "w1", job_ttl_s=600)
+    streams = await queue.streams()
+    first = await queue.claim(streams, 2)
+    hgets = await _calls(redis, "hget")
+    assert list((await queue.claimed_states(first)).values()) == [JobState.PENDING] * 2
+    assert await _calls(redis, "hget") == hgets + 1
+    await client.cancel(job)
+    other = await client.submit([[9]], n=1)
+    second = await queue.claim(streams, 3)
+    hgets = await _calls(redis, "hget")
+    states = await queue.claimed_states(second)
+    assert await _calls(redis, "hget") == hgets + 1  # the other job's state only
+    assert [(c.job_id, states[c.key]) for c in second] == [
+        (job, JobState.CANCELLED), (job, JobState.CANCELLED), (other, JobState.PENDING)]
+    assert await queue.job_states(second) == states  # the renewals' read: always its own
+
+
+async def test_an_engine_that_answers_at_once_claims_half_its_slots_at_a_time(redis, policy):
+    """One half's results are written while the other half is claimed: an instant engine's
+    worker claims at most half of max_inflight at once; an engine that suspends, all of it."""
+    queue = WorkQueue(redis, Keys(policy), "w1", job_ttl_s=600)
+
+    def worker(engine: InstantEngine) -> Worker:
+        return Worker(queue, engine, max_inflight=8, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1)
+
+    assert worker(InstantEngine())._free_slots() == 4
+    assert worker(InstantEngine(delay_s=0.01))._free_slots() == 8

@@ -59,6 +59,39 @@ def test_validation_names_field_and_limit(changes, field, limit):
     assert limit in str(e.value)
 
 
+def test_groups_of_one_job_skip_only_the_checks_that_passed(monkeypatch):
+    """The shared fields' checks are skipped for a job's next group only when those fields are
+    what passed, byte for byte: a type, a mutation or a group's own field is still checked."""
+    checked, validate_sampling = [], p.validate_sampling
+
+    def counted(sampling, n, *args):
+        checked.append(sampling)
+        validate_sampling(sampling, n, *args)
+
+    monkeypatch.setattr(p, "validate_sampling", counted)
+    p.validate_item(item(sampling=Sampling(extra={"ignore_eos": True})))
+    p.validate_item(item(group_index=1, sampling=Sampling(extra={"ignore_eos": True})))
+    assert len(checked) == 1  # the second group's sampling was not checked again
+    with pytest.raises(InvalidInput) as e:
+        p.validate_item(item(group_index=2, sampling=Sampling(extra={"ignore_eos": 1})))
+    assert e.value.field == "sampling.extra.ignore_eos"
+    monkeypatch.undo()
+    shared = Sampling(max_tokens=8)
+    p.validate_item(item(sampling=shared))
+    shared.max_tokens = 0
+    with pytest.raises(InvalidInput, match="max_tokens=0"):
+        p.validate_item(item(group_index=1, sampling=shared))
+    p.validate_item(item(n=1))
+    with pytest.raises(InvalidInput, match="n=True"):
+        p.validate_item(item(n=True))
+    for changes, field in [(dict(prompt=p.pack_tokens([-3])), "prompt"),
+                           (dict(group_index=-1), "group_index"), (dict(images=["x"]), "images[0]")]:
+        p.validate_item(item())
+        with pytest.raises(InvalidInput) as e:
+            p.validate_item(item(**changes))
+        assert e.value.field == field
+
+
 def test_oversized_payload_is_refused_before_decoding():
     with pytest.raises(InvalidInput, match=f"the limit is {p.MAX_ITEM_BYTES}"):
         p.decode_item(b"\x00" * (p.MAX_ITEM_BYTES + 1))

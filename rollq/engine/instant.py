@@ -8,17 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from functools import lru_cache
 
 from rollq.engine.base import Generated, GroupError
 from rollq.protocol import Sample, WorkItem, pack_floats, pack_tokens
 
 FAIL_TOKEN = 2**31 - 7
 """A prompt starting with this token fails its group with GroupError (for tests of failures)."""
+_FAIL_PREFIX = pack_tokens([FAIL_TOKEN])
 
 
 def expected_tokens(prompt: bytes, sample_index: int, max_tokens: int, vocab_size: int) -> list[int]:
-    start = zlib.crc32(prompt) + 7919 * sample_index
+    return _tokens(zlib.crc32(prompt), sample_index, max_tokens, vocab_size)
+
+
+def _tokens(crc: int, sample_index: int, max_tokens: int, vocab_size: int) -> list[int]:
+    start = crc + 7919 * sample_index
     return [(start + 31 * j) % vocab_size for j in range(max_tokens)]
+
+
+@lru_cache(maxsize=16)
+def _logprobs(max_tokens: int) -> bytes:
+    """Every token's logprob: -1.0 (bytes are immutable: one copy serves every sample)."""
+    return pack_floats([-1.0] * max_tokens)
 
 
 class InstantEngine:
@@ -48,19 +60,13 @@ class InstantEngine:
             await asyncio.sleep(self.delay_s)
         # Text prompts "tokenize" to their UTF-8 bytes.
         prompt = item.prompt or pack_tokens(item.text.encode())
-        if prompt[:4] == pack_tokens([FAIL_TOKEN]):
+        if prompt[:4] == _FAIL_PREFIX:
             raise GroupError("InstantEngine: prompt starts with FAIL_TOKEN")
-        max_tokens = item.sampling.max_tokens
-        logprobs = pack_floats([-1.0] * max_tokens)
-        samples = [
-            Sample(
-                tokens=pack_tokens(expected_tokens(prompt, i, max_tokens, self.vocab_size)),
-                logprobs=logprobs,
-                finish_reason="length",
-                versions=[(self._version, 0)],
-            )
-            for i in range(item.n)
-        ]
+        max_tokens, vocab_size, version = item.sampling.max_tokens, self.vocab_size, self._version
+        logprobs, crc = _logprobs(max_tokens), zlib.crc32(prompt)  # (the same for every sample)
+        samples = [Sample(pack_tokens(_tokens(crc, i, max_tokens, vocab_size)), logprobs, "length",
+                          versions=[(version, 0)])
+                   for i in range(item.n)]
         return Generated(samples, prompt)
 
     async def swap(self, version: int, path: str, *, interrupt: bool = False,

@@ -30,6 +30,8 @@ ROUTE_IDLE_S = 60.0
 """A routed work stream nothing was routed to for this long, and empty, is forgotten."""
 FINISH_BATCH = 512
 """Most groups finished by one script call."""
+READ_AHEAD_JOBS = 8
+"""Most jobs whose state a claim reads in its own round trip (see `claimed_states`)."""
 _JOB, _GROUP, _ITEM = (f.encode() for f in (WorkField.JOB, WorkField.GROUP, WorkField.ITEM))
 """Work-entry fields as redis-py returns them."""
 
@@ -98,6 +100,13 @@ def _warn_unreplicated(wait_reply, wanted) -> None:
         log.warning("results written but not replicated: %s", e)
 
 
+_STATES = {state.encode() for state in JobState}
+
+
+def _job_state(value: bytes | None) -> JobState | None:
+    return None if value is None else JobState(_text(value))
+
+
 def _text(value: bytes | str | None) -> str | None:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
@@ -138,8 +147,13 @@ class WorkQueue:
         self._reclaim_cursor: dict[str, str] = {}
         self._finishing: list[tuple[tuple, tuple, _Waiter, int]] = []
         self._by_stream: dict[str, tuple[str, str, str]] = {}
+        self._by_job: dict[tuple[str, str], tuple[str, str]] = {}
         self._finisher: asyncio.Task | None = None
         self._next_prune = 0.0
+        self._recent_jobs: list[str] = []
+        """The jobs of the last claim: the next claim reads their state along (`claimed_states`)."""
+        self._claim_states: dict[str, JobState | None] = {}
+        """Job states read after every entry of the last claim was delivered."""
 
     async def streams(self) -> list[str]:
         """The streams to claim from: groups routed to this worker, then every trainer's own
@@ -196,12 +210,14 @@ class WorkQueue:
         # Turns routed to this worker first (their prefix cache is here): round-robin over
         # all streams could take a shared group into the last free slot and leave a routed
         # turn waiting while another worker idles.
+        self._claim_states = {}
         mine = [s for s in streams if (route := self.keys.route_of(s)) and route[1] == self.consumer]
         got = await self._claim_shares(mine, free) if mine else []
         if len(got) < free:
             got += await self._claim_shares([s for s in streams if s not in mine], free - len(got))
         if got or not block_ms or not streams:
             return got
+        self._claim_states = {}  # read before the entries the blocking read may deliver
         try:
             reply = await self.redis.xreadgroup(
                 Group.WORKERS, self.consumer, {s: ">" for s in streams}, count=1, block=block_ms
@@ -231,7 +247,14 @@ class WorkQueue:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for stream, count in asks:
                     pipe.xreadgroup(Group.WORKERS, self.consumer, {stream: ">"}, count=count)
+                # After the reads: these states are as fresh as a read after the reply.
+                for job in self._recent_jobs:
+                    pipe.hget(job, JobField.STATE)
                 replies = await pipe.execute(raise_on_error=False)
+            replies, states = replies[:len(asks)], replies[len(asks):]
+            # What does not parse is read again, and raises there as it always did.
+            self._claim_states = {job: _job_state(state) for job, state in zip(self._recent_jobs, states)
+                                  if state is None or state in _STATES}
             candidates = []
             for (stream, count), reply in zip(asks, replies):
                 if isinstance(reply, ResponseError):
@@ -360,11 +383,10 @@ class WorkQueue:
 
     def _finish_call(self, claimed: Claimed, status: str, payload: bytes,
                      dead_reason: str) -> tuple[tuple, tuple]:
-        trainer, results, outstanding_bytes = self._trainer_keys(claimed.stream)
-        job_id = claimed.job_id or "-"
+        _, results, outstanding_bytes = self._trainer_keys(claimed.stream)
+        job, done = self._job_keys(claimed.stream, claimed.job_id or "-")
         group = "" if claimed.group_index is None or not claimed.job_id else str(claimed.group_index)
-        keys = (claimed.stream, results, self.keys.job(trainer, job_id), self.keys.done(trainer, job_id),
-                outstanding_bytes)
+        keys = (claimed.stream, results, job, done, outstanding_bytes)
         raw = claimed.data or b""
         # The item goes back to Redis only into a dead letter: the byte count needs its size.
         args = (claimed.entry_id, group, status, _lua_string(payload), dead_reason, len(raw),
@@ -427,12 +449,40 @@ class WorkQueue:
     async def job_states(self, claimed: list[Claimed]) -> dict[tuple[str, str], JobState | None]:
         """The state of each entry's job by entry key; None for a job without a record (or an
         entry that names none). Read once per job: a batch holds many groups of few jobs."""
-        jobs = {c.key: self.keys.job(self._trainer_keys(c.stream)[0], c.job_id)
-                for c in claimed if c.job_id}
-        distinct = list(dict.fromkeys(jobs.values()))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job in distinct:
-                pipe.hget(job, JobField.STATE)
-            states = {job: None if s is None else JobState(_text(s))
-                      for job, s in zip(distinct, await pipe.execute())}
+        return await self._job_states(self._jobs(claimed), {})
+
+    async def claimed_states(self, claimed: list[Claimed]) -> dict[tuple[str, str], JobState | None]:
+        """`job_states` of what the last `claim` (and reclaims before it) returned. The claim read
+        the state of the previous claim's jobs in its own round trip, after its reads: a job's
+        groups are claimed in a row, so most claims need no round trip of their own for this."""
+        jobs = self._jobs(claimed)
+        states = await self._job_states(jobs, self._claim_states)
+        self._claim_states = {}
+        self._recent_jobs = list(dict.fromkeys(jobs.values()))[-READ_AHEAD_JOBS:]
+        return states
+
+    async def _job_states(self, jobs: dict[tuple[str, str], str],
+                          known: dict[str, JobState | None]) -> dict[tuple[str, str], JobState | None]:
+        states = dict(known)
+        distinct = [job for job in dict.fromkeys(jobs.values()) if job not in states]
+        if distinct:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job in distinct:
+                    pipe.hget(job, JobField.STATE)
+                states.update(zip(distinct, map(_job_state, await pipe.execute())))
         return {key: states[job] for key, job in jobs.items()}
+
+    def _jobs(self, claimed: list[Claimed]) -> dict[tuple[str, str], str]:
+        """The job record of each entry that names a job, by entry key."""
+        return {c.key: self._job_keys(c.stream, c.job_id)[0] for c in claimed if c.job_id}
+
+    def _job_keys(self, stream: str, job_id: str) -> tuple[str, str]:
+        """A job's record and done hash (looked up per group: cached for the recent jobs)."""
+        found = self._by_job.get((stream, job_id))
+        if found is None:
+            if len(self._by_job) >= 64:
+                self._by_job.clear()
+            trainer = self._trainer_keys(stream)[0]
+            found = self._by_job[stream, job_id] = (self.keys.job(trainer, job_id),
+                                                    self.keys.done(trainer, job_id))
+        return found

@@ -213,8 +213,15 @@ class Worker:
         With a sequence budget (vLLM's max_num_seqs), groups are admitted while the running
         samples do not fill it, so the engine stays saturated without this worker hoarding
         groups that wait inside the engine while other workers idle.
+
+        An engine that answers at once (`Engine.at_once`) serves a claim's groups within one
+        turn, and what is left to wait for is Redis: it gets half the slots a claim, so one half's
+        results are written while the other half is claimed and generated (no-op groups: +27 %
+        groups/s for one worker draining a queue, +14 % in bench/dispatch.py).
         """
         free = self.max_inflight - len(self._held)
+        if self.engine.at_once:
+            free = min(free, max(1, self.max_inflight // 2))
         if self.max_inflight_seqs is None:
             return free
         room = self.max_inflight_seqs - sum(h.claimed.n for h in self._held.values())
@@ -235,7 +242,7 @@ class Worker:
         for c, item in zip(claimed, items):
             if isinstance(item, WorkItem):
                 c.n = self._typical_n = item.n
-        states = await self.queue.job_states(claimed)
+        states = await self.queue.claimed_states(claimed)
         at_once, engine_at_once = [], self.engine.at_once
         for c, item in zip(claimed, items):
             state = states.get(c.key)

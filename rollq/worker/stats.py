@@ -80,12 +80,15 @@ class WorkerStats:
             return
         self.queued.observe(result.queued_s)
         self.generation.observe(result.generation_s)
-        t.tokens += sum(len(s.tokens) for s in result.samples) // 4
-        t.samples += len(result.samples)
-        for sample in result.samples:
+        samples, lags, size = result.samples, t.lag, 0
+        for sample in samples:
+            size += len(sample.tokens)
             if sample.versions:
-                lag = max(0, newest - min(v for v, _ in sample.versions))
-                t.lag[lag] = t.lag.get(lag, 0) + 1
+                # (the oldest version: tuples order by their first item)
+                lag = max(0, newest - min(sample.versions)[0])
+                lags[lag] = lags.get(lag, 0) + 1
+        t.tokens += size // 4
+        t.samples += len(samples)
 
     def swap(self, ok: bool, seconds: float, phases: dict[str, float] | None = None) -> None:
         if ok:
