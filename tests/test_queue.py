@@ -360,3 +360,15 @@ async def test_results_of_a_lost_read_reply_are_read_again(make_client, make_wor
     assert lost and len(lost[0][1]) == 2
     rest = await collect(client, 2, timeout_s=10)
     assert sorted(r.group_index for r in first + rest) == [0, 1, 2]
+
+
+async def test_the_instant_engine_serves_a_text_prompt_as_its_utf8_bytes():
+    """(It raised TypeError: pack_tokens takes token ids, not bytes.)"""
+    from rollq.engine.instant import InstantEngine
+    from rollq.protocol import unpack_tokens
+
+    item = WorkItem("text", 0, b"", 2, Sampling(max_tokens=3), 0.0, text="héllo")
+    generated = await InstantEngine().generate_group(item)
+    assert unpack_tokens(generated.prompt) == list("héllo".encode())
+    assert [unpack_tokens(s.tokens) for s in generated.samples] == [
+        expected_tokens(pack_tokens(list("héllo".encode())), i, 3, 32_000) for i in range(2)]

@@ -59,7 +59,7 @@ class InstantEngine:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         # Text prompts "tokenize" to their UTF-8 bytes.
-        prompt = item.prompt or pack_tokens(item.text.encode())
+        prompt = item.prompt or pack_tokens(list(item.text.encode()))
         if prompt[:4] == _FAIL_PREFIX:
             raise GroupError("InstantEngine: prompt starts with FAIL_TOKEN")
         max_tokens, vocab_size, version = item.sampling.max_tokens, self.vocab_size, self._version
