@@ -516,10 +516,10 @@ class VLLMEngine:
 
         The probe runs alone: `swap` pauses only once every add past its gate has landed, and
         drains any that vLLM queued under the pause (`_pause_all`), so no request of ours waits in
-        vLLM's paused queue to run beside it. One that did ran on the
-        unproven weights, labelled with the old version; on weights failing the probe it wrote
-        NaN into KV blocks, and vLLM's CPU attention reads whole blocks, so the restored weights
-        answered NaN too and the engine was lost (tests/test_swap_labels_vllm.py). The probe's
+        vLLM's paused queue to run beside it. One that did ran on the unproven weights, labelled
+        with the old version; on weights failing the probe it wrote NaN into KV blocks, and vLLM's
+        CPU attention reads whole blocks, so the restored weights answered NaN too and the engine
+        was lost (tests/test_swap_labels_vllm.py). The probe's
         own single token leaves NaN only in a block's first slot, which every later user of the
         block writes before it reads. The label changes before the resume all the same."""
         llm = self.llm
