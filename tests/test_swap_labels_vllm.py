@@ -123,3 +123,51 @@ async def test_an_add_that_reaches_vllm_inside_a_failed_swap_never_runs_on_the_f
     assert all(math.isfinite(lp) for lp in sample.token_logprobs)
     Reference(models).check(prompt, sample)
 
+
+
+class BusyCore:
+    """Keeps vLLM's engine core busy (reloading the weights it serves) while the engine's first
+    add and the swap's pause reach it, so that it takes both from one input batch, before a step
+    could schedule the request: under CPU load that happened by chance (a flaky EngineDead)."""
+
+    def __init__(self, llm, weights_path: str):
+        self.llm, self.weights_path, self.busy = llm, weights_path, None
+        self.add = llm.add_request
+
+    async def _add(self, *args, **kwargs):
+        if self.busy is None:
+            self.busy = asyncio.create_task(self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_path": self.weights_path}))
+            await asyncio.sleep(0.002)  # its message is sent first
+        return await self.add(*args, **kwargs)
+
+    def __enter__(self):
+        self.llm.add_request = self._add
+        return self
+
+    def __exit__(self, *exc):
+        del self.llm.add_request
+
+
+async def test_an_add_taken_with_the_pause_in_one_batch_never_runs_on_failed_weights(
+        engine_v1, versions, tmp_path):
+    """vLLM's wait pause drains only the requests it has scheduled: one it took from the same
+    input batch as the pause stayed queued and ran beside the probe of weights giving NaN, which
+    filled its KV block with NaN, and the restored weights' probe read that block (EngineDead)."""
+    weights, models = versions
+    broken = dict(weights[2])
+    name = next(k for k in broken if k.endswith("layers.0.mlp.down_proj.weight"))
+    broken[name] = torch.full_like(broken[name], math.nan)
+    path, prompt = saved(broken, tmp_path / "v2"), PROMPTS[5]
+    with BusyCore(engine_v1.llm, engine_v1._weights_path) as core:
+        group = asyncio.create_task(engine_v1.generate_group(greedy_item(prompt)))
+        while core.busy is None:
+            await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="logprob of nan"):
+            await engine_v1.swap(2, path)
+        sample = (await asyncio.wait_for(group, 120)).samples[0]
+        await core.busy
+    assert engine_v1.version == 1 and engine_v1.alive
+    assert sample.versions == [(1, 0)]
+    assert all(math.isfinite(lp) for lp in sample.token_logprobs)
+    Reference(models).check(prompt, sample)

@@ -427,7 +427,7 @@ class VLLMEngine:
                 await self._load_kept(version, path)
                 lap("load")
             else:
-                await llm.pause_generation(mode="abort" if interrupt else "wait", clear_cache=True)
+                await self._pause_all("abort" if interrupt else "wait")
                 lap("pause")
                 await self._load_or_restore(version, path)  # labels the loaded version too
                 lap("load")
@@ -444,6 +444,20 @@ class VLLMEngine:
             done.set()
         lap("resume")
         return phases
+
+    async def _pause_all(self, mode: str) -> None:
+        """Pause vLLM with none of our requests left in it. vLLM's "wait" pause drains only the
+        requests it has scheduled: an add its engine core takes from the same input batch as the
+        pause (both arrived during one step, or a utility call) stays queued, the pause completes
+        at once, and the request ran beside the probe when generation resumed for it. On weights
+        failing their probe it wrote NaN into every KV slot of its block (27 in the failing runs
+        of tests/test_swap_labels_vllm.py, dumped from the worker), and the restored weights' probe
+        then read them from the same block: the engine was lost. Resuming lets vLLM schedule such
+        a request on the old weights, and the next pause drains it."""
+        await self.llm.pause_generation(mode=mode, clear_cache=True)
+        while self.llm.output_processor.has_unfinished_requests():
+            await self.llm.resume_generation()
+            await self.llm.pause_generation(mode=mode, clear_cache=True)
 
     async def _load_kept(self, version: int, path: str) -> None:
         """A keep swap's load: the frozen requests run again as soon as generation resumes,
@@ -500,11 +514,12 @@ class VLLMEngine:
         """reload_weights, then one greedy probe token (generation resumed just for it): vLLM only
         warns about tensors it did not load, so an incomplete load shows as a non-finite logprob.
 
-        The probe runs alone: `swap` pauses only once every add past its gate has landed, so no
-        request of ours waits in vLLM's paused queue to run beside it. One that did ran on the
-        unproven weights, labelled with the old version; on weights failing the probe it wrote
-        NaN into KV blocks, and vLLM's CPU attention reads whole blocks, so the restored weights
-        answered NaN too and the engine was lost (tests/test_swap_labels_vllm.py). The probe's
+        The probe runs alone: `swap` pauses only once every add past its gate has landed, and
+        drains any that vLLM queued under the pause (`_pause_all`), so no request of ours waits in
+        vLLM's paused queue to run beside it. One that did ran on the unproven weights, labelled
+        with the old version; on weights failing the probe it wrote NaN into KV blocks, and vLLM's
+        CPU attention reads whole blocks, so the restored weights answered NaN too and the engine
+        was lost (tests/test_swap_labels_vllm.py). The probe's
         own single token leaves NaN only in a block's first slot, which every later user of the
         block writes before it reads. The label changes before the resume all the same."""
         llm = self.llm
