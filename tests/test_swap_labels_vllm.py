@@ -124,7 +124,6 @@ async def test_an_add_that_reaches_vllm_inside_a_failed_swap_never_runs_on_the_f
     Reference(models).check(prompt, sample)
 
 
-
 class BusyCore:
     """Keeps vLLM's engine core busy (reloading the weights it serves) while the engine's first
     add and the swap's pause reach it, so that it takes both from one input batch, before a step

@@ -455,9 +455,13 @@ class VLLMEngine:
         then read them from the same block: the engine was lost. Resuming lets vLLM schedule such
         a request on the old weights, and the next pause drains it."""
         await self.llm.pause_generation(mode=mode, clear_cache=True)
-        while self.llm.output_processor.has_unfinished_requests():
+        for _ in range(100):  # each round schedules what was queued: one is all it takes
+            if not self.llm.output_processor.has_unfinished_requests():
+                return
             await self.llm.resume_generation()
             await self.llm.pause_generation(mode=mode, clear_cache=True)
+        # Bounded: a request vLLM keeps but never runs must not hold the swap for ever.
+        log.warning("vLLM still holds unfinished requests after 100 pauses; loading all the same")
 
     async def _load_kept(self, version: int, path: str) -> None:
         """A keep swap's load: the frozen requests run again as soon as generation resumes,
