@@ -198,7 +198,10 @@ class Worker:
         if now >= self._next_reclaim:
             claimed = await self.queue.reclaim(self._streams, int(self.lease_s * 1000), free)
             self.stats.reclaimed(len(claimed))
-            self._next_reclaim = now + min(self.lease_s / 2, 5.0)
+            # Jittered: workers started together with one lease reclaimed in lockstep, and one
+            # that cannot serve a group (a pinned worker, another version) took it back before
+            # the worker that could every time, releasing it again: it waited 5 minutes.
+            self._next_reclaim = now + min(self.lease_s / 2, 5.0) * random.uniform(0.5, 1.0)
         block_ms = 0 if claimed else int(self.poll_s * 1000)
         claimed += await self.queue.claim(self._streams, free - len(claimed), block_ms)
         if self._stopping.is_set() and claimed:
