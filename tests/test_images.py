@@ -17,7 +17,9 @@ from vlm import encoded, hostile_images, noise_image
 
 from rollq.images import (REF_SCHEME, ImageLoader, ImageRef, chat_images, chat_with_images,
                           digest_of)
-from rollq.protocol import MAX_GROUP_PIXELS, MAX_IMAGE_PIXELS, MAX_IMAGES, Chat, InvalidInput, decode_item
+from rollq.engine.instant import InstantEngine
+from rollq.protocol import (MAX_GROUP_PIXELS, MAX_IMAGE_PIXELS, MAX_IMAGES, Chat, InvalidInput, Sampling,
+                            WorkItem, decode_item, encode, pack_tokens)
 
 TRAINER = "trainer"
 """make_client's default trainer id."""
@@ -242,3 +244,41 @@ async def test_image_holds_expire_on_redis_clock_whatever_the_clients(make_clien
             m.setattr(time, "time", lambda: now + skew_s)
         await second.upload_image(other)
     assert await redis.get(right.keys.image_bytes(TRAINER)) == str(len(IMAGE)).encode()
+
+
+class _ImageReadingEngine(InstantEngine):
+    """The instant engine, but reading each group's images as the vLLM engine does (through the
+    worker's `ImageLoader`; a missing image fails the group): the test is about which keys a
+    worker reads, not about vision (tests/test_images_vllm.py)."""
+
+    class images:
+        loader = None
+
+    async def generate_group(self, item):
+        from rollq.engine.base import GroupError
+
+        try:
+            loaded = await self.images.loader.load(item.images)
+        except InvalidInput as e:
+            raise GroupError(f"image refused: {e}") from None
+        assert all(im.size == (600, 600) for im in loaded)
+        return await super().generate_group(item)
+
+
+async def test_a_worker_reads_the_images_of_the_trainer_whose_stream_the_group_came_from(
+        make_client, make_worker):
+    """Images are per trainer: a group reads its own trainer's copy (its derived ids' too), and a
+    group naming an image only another trainer stored fails "not stored": a trainer cannot get
+    another's image into its samples by naming its digest."""
+    make_worker(engine=_ImageReadingEngine(delay_s=0.001))
+    alice, bob = make_client("alice"), make_client("bob")
+    ref = await alice.upload_image(IMAGE)
+    await alice.submit([[1]], 1, images=[[ref]], job_id="hers")
+    [hers] = await alice.take(1, timeout_s=30)
+    assert hers.status == "ok", hers.reason
+    # bob forges a reference to alice's digest past his client's check (the worker is the gate).
+    item = WorkItem("forged", 0, pack_tokens([2]), 1, Sampling(max_tokens=2), 0.0, images=[ref.digest])
+    await bob.redis.sadd(bob.keys.trainers, "bob")
+    await bob.redis.xadd(bob.keys.work("bob"), {"d": encode(item)})
+    [forged] = await bob.take(1, timeout_s=30)
+    assert forged.status == "failed" and "is not stored" in forged.reason
