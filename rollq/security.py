@@ -26,6 +26,8 @@ _TRAINER_COMMANDS = [
     # The connection (AUTH is always allowed; redis-py's optional CLIENT SETINFO may be refused).
     "+ping", "+echo", "+hello", "+select", "+reset", "+quit", "+client|setname", "+client|getname",
     "+client|id",
+    # Redis Cluster: redis-py reads the topology and the commands' key positions (no keys).
+    "+cluster|slots", "+command", "+readonly", "+readwrite", "+asking",
     # rollq's scripts, loaded by the client on NOSCRIPT: every command inside them is checked too.
     "+evalsha", "+eval", "+script|load", "+script|exists",
     # What the SDK and rollq's scripts do, on the keys the selectors below grant.

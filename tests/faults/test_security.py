@@ -235,6 +235,25 @@ async def test_acl_users_run_no_server_commands(acl, durable_redis, user):
         await r.aclose()
 
 
+async def test_acl_publisher_publishes_and_retires_versions(acl, policy, tmp_path):
+    """A `--publisher` trainer user publishes versions and its retention (keep=1) retires the
+    old ones, with the publisher's commands only; it still runs no server command."""
+    import torch
+
+    await acl.admin.execute_command("ACL", "SETUSER", *trainer_acl(policy, "pub", "pub-pw",
+                                                                   publisher=True))
+    pub = RolloutClient(acl.url.format("pub:pub-pw"), policy=policy, trainer_id="pub",
+                        weight_store=str(tmp_path / "store"))
+    acl._clients.append(pub)
+    await pub.submit([[1]], n=1, max_staleness=0, job_id="bounded")  # retention reads its window
+    for version in (1, 2, 3):
+        await pub.publish_weights(version, {"w": torch.full((4,), float(version))}, keep=1)
+    assert [e.version for e in await pub.registry.entries()] == [3]
+    for command in (("FUNCTION", "LOAD", FUNCTION), ("SCRIPT", "FLUSH"), ("DBSIZE",)):
+        with pytest.raises(NoPermissionError):
+            await pub.redis.execute_command(*command)
+
+
 async def _status_of(client: RolloutClient, trainer: str):
     """A client posing as another trainer cannot read that trainer's job record."""
     posing = RolloutClient(redis=client.redis, policy=client.keys.policy, trainer_id=trainer)
