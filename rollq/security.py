@@ -42,7 +42,7 @@ bring FUNCTION LOAD, persistent code that survives SCRIPT FLUSH, and `@all -@dan
 SCRIPT FLUSH, MEMORY STATS and DBSIZE). Keys are checked per selector: EXPIRE and SET here reach
 only the trainer's own keys, so no trainer can shorten or overwrite another's."""
 
-_PUBLISHER_COMMANDS = ["+hdel", "+del", "+zcard", "+smembers", "+srem", "+pexpire", "+pttl"]
+_PUBLISHER_COMMANDS = ["+hdel", "+zcard", "+smembers", "+srem"]
 """What publishing and its retention add (`publish.lua`, `retire.lua`, registry/retention.py)."""
 
 _WORKER_COMMANDS = ["+@all", "-@dangerous", "-@admin", "+info", "-function", "-script|flush",

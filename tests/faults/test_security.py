@@ -245,10 +245,17 @@ async def test_acl_publisher_publishes_and_retires_versions(acl, policy, tmp_pat
     pub = RolloutClient(acl.url.format("pub:pub-pw"), policy=policy, trainer_id="pub",
                         weight_store=str(tmp_path / "store"))
     acl._clients.append(pub)
+    await acl.worker()
+    await acl.admin.acl_log_reset()
     await pub.submit([[1]], n=1, max_staleness=0, job_id="bounded")  # retention reads its window
+    [done] = await pub.take(1, timeout_s=30, ack="manual")
+    await pub.ack([done])  # finished: retention drops it from the bounded jobs (SREM)
     for version in (1, 2, 3):
         await pub.publish_weights(version, {"w": torch.full((4,), float(version))}, keep=1)
     assert [e.version for e in await pub.registry.entries()] == [3]
+    assert not await acl.admin.sismember(Keys(policy).bounded_jobs, Keys(policy).job("pub", "bounded"))
+    log = await acl.admin.acl_log()
+    assert not [e for e in log if e["username"] == "pub"], log  # nothing it needed was refused
     for command in (("FUNCTION", "LOAD", FUNCTION), ("SCRIPT", "FLUSH"), ("DBSIZE",)):
         with pytest.raises(NoPermissionError):
             await pub.redis.execute_command(*command)
