@@ -1,11 +1,11 @@
 """Images of prompt groups: checked where they enter, stored once per content, decoded safely.
 
-A group names its images by BLAKE3 digest (`WorkItem.images`); the bytes live once per policy
-under `Keys.image(digest)`, so a group of 8 samples with a 1 MB image puts 1 MB on Redis, and the
-same image in 100 groups or jobs is still stored once. Each submit that names an image extends
-its expiry to at least `ttl_s` from now (never shortens it): the image outlives every job that
-names it as long as jobs finish within `ttl_s` of their submit (the default is a week; a job's
-deadline, when longer, extends it).
+A group names its images by BLAKE3 digest (`WorkItem.images`); the bytes live once per trainer
+under `Keys.image(trainer, digest)`, so a group of 8 samples with a 1 MB image puts 1 MB on Redis,
+and the same image in 100 groups or jobs of one trainer is still stored once. Each submit that
+names an image extends its expiry to at least `ttl_s` from now (never shortens it): it outlives
+every job that names it as long as jobs finish within `ttl_s` of their submit (the default is a
+week; a job's deadline, when longer, extends it).
 
 Where images come from: encoded files (PNG, JPEG, WebP: the formats checked, by Pillow, from
 the header, without decoding pixels), `ImageRef`s of images uploaded before, and in chats,
@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import binascii
 import copy
 import io
 import re
-import time
 from typing import Any
 
 import blake3
 import msgspec
 from PIL import Image, UnidentifiedImageError
 
-from rollq.protocol import (MAX_GROUP_PIXELS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, Chat,
-                            InvalidInput)
+from rollq.protocol import (DERIVED_SEPARATOR, MAX_GROUP_PIXELS, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS,
+                            MAX_IMAGES, Chat, InvalidInput)
 from rollq.queue.keys import Keys
 from rollq.queue.names import Reply
 
@@ -201,11 +201,12 @@ async def store_images(script: Any, keys: Keys, trainer: str, found: dict[str, b
     if not found:
         return 0
     digests = list(found)
-    args: list[Any] = [int(time.time()), ttl_s, budget]
+    args: list[Any] = [ttl_s, budget]
     for digest in digests:
         args += [digest, found[digest] or b""]
+    owner = image_owner(trainer)
     reply = await script(keys=[keys.image_holds(trainer), keys.image_bytes(trainer),
-                               *map(keys.image, digests)], args=args)
+                               *(keys.image(owner, d) for d in digests)], args=args)
     word = Reply(reply[0].decode())
     if word is Reply.GONE:
         raise InvalidInput("images", f"image {reply[1].decode()} is not stored (expired or never "
@@ -220,16 +221,30 @@ async def store_images(script: Any, keys: Keys, trainer: str, found: dict[str, b
 
 # --- Worker side: digests -> checked, decoded images --------------------------------------------
 
+def image_owner(trainer: str) -> str:
+    """Whose images a trainer id stores and reads: a derived id's user (`alice~purpose~owner`
+    -> `alice`), so an image alice uploaded serves her episodes and gateway requests too."""
+    return trainer.split(DERIVED_SEPARATOR, 1)[0]
+
+
+SERVING_FOR: contextvars.ContextVar[str] = contextvars.ContextVar("rollq_images_serving_for")
+"""The trainer whose group the current task serves: the worker sets it per group from the stream
+it read the group from (`GroupServer.serve`). A work item carries no trainer id, so a forged item
+cannot name another trainer's images."""
+
+
 class ImageLoader:
     """Reads a group's images from Redis and decodes them off the event loop."""
 
     def __init__(self, redis: Any, keys: Keys):
         self.redis, self.keys = redis, keys
 
-    async def load(self, digests: list[str]) -> list[Image.Image]:
+    async def load(self, digests: list[str], trainer: str | None = None) -> list[Image.Image]:
+        """`trainer`: whose images (default: the group being served, `SERVING_FOR`)."""
+        owner = image_owner(trainer or SERVING_FOR.get())
         pipe = self.redis.pipeline(transaction=False)
         for digest in digests:
-            pipe.get(self.keys.image(digest))
+            pipe.get(self.keys.image(owner, digest))
         blobs = await pipe.execute()
         for i, (digest, data) in enumerate(zip(digests, blobs)):
             if data is None:

@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import resource
+import time
 
 import pytest
 from helpers import drop_a_reply
@@ -16,8 +17,12 @@ from vlm import encoded, hostile_images, noise_image
 
 from rollq.images import (REF_SCHEME, ImageLoader, ImageRef, chat_images, chat_with_images,
                           digest_of)
-from rollq.protocol import MAX_GROUP_PIXELS, MAX_IMAGE_PIXELS, MAX_IMAGES, Chat, InvalidInput, decode_item
+from rollq.engine.instant import InstantEngine
+from rollq.protocol import (MAX_GROUP_PIXELS, MAX_IMAGE_PIXELS, MAX_IMAGES, Chat, InvalidInput, Sampling,
+                            WorkItem, decode_item, encode, pack_tokens)
 
+TRAINER = "trainer"
+"""make_client's default trainer id."""
 IMAGE = encoded(noise_image(1, (600, 600)))  # ~1 MB: random pixels do not compress
 
 
@@ -35,10 +40,11 @@ async def test_an_image_in_100_groups_and_two_jobs_is_stored_once(make_client, r
     await client.submit([[1, 7, 20]] * 100, 8, images=[[IMAGE]] * 100, job_id="one")
     await client.submit([[1, 7, 30]] * 10, 8, images=[[IMAGE]] * 10, job_id="two")
     stored = await policy_bytes(redis, f"rollq:{{{policy}}}:image:*")
-    assert list(stored) == [client.keys.image(digest_of(IMAGE))]
-    assert await redis.strlen(client.keys.image(digest_of(IMAGE))) == len(IMAGE)
+    assert list(stored) == [client.keys.image(TRAINER, digest_of(IMAGE))]
+    assert await redis.strlen(client.keys.image(TRAINER, digest_of(IMAGE))) == len(IMAGE)
     everything = await policy_bytes(redis, f"rollq:{{{policy}}}:*")
-    total, image_key = sum(everything.values()), everything[client.keys.image(digest_of(IMAGE))]
+    image_key = everything[client.keys.image(TRAINER, digest_of(IMAGE))]
+    total = sum(everything.values())
     # 110 groups of 8 samples, one ~1 MB image: ~1 MB in all, not 110 (or 880) MB.
     print(f"\nimage file {len(IMAGE)} B, its key {image_key} B (MEMORY USAGE); all keys of the "
           f"policy {total} B; the image once per group would be {110 * len(IMAGE)} B")
@@ -51,10 +57,11 @@ async def test_an_image_in_100_groups_and_two_jobs_is_stored_once(make_client, r
 async def test_references_extend_the_image_and_a_missing_one_is_refused(make_client, redis):
     client = make_client()
     ref = await client.upload_image(IMAGE, ttl_s=60)
-    assert isinstance(ref, ImageRef) and 0 < await redis.ttl(client.keys.image(ref.digest)) <= 60
+    assert isinstance(ref, ImageRef)
+    assert 0 < await redis.ttl(client.keys.image(TRAINER, ref.digest)) <= 60
     await client.submit([[1, 7]], 1, images=[[ref]], deadline_s=86_400)
     # A job naming the image keeps it at least as long as the job may wait (never shortened).
-    assert await redis.ttl(client.keys.image(ref.digest)) > 86_400
+    assert await redis.ttl(client.keys.image(TRAINER, ref.digest)) > 86_400
     missing = ImageRef(digest_of(b"never uploaded"))
     with pytest.raises(InvalidInput, match="not stored") as e:
         await client.submit([[1, 7]], 1, images=[[missing]])
@@ -76,7 +83,8 @@ async def test_a_trainers_images_stay_within_its_budget_until_their_holds_expire
     with pytest.raises(InvalidInput, match=f"hold {len(IMAGE)} bytes; these add {len(other)} more, "
                                            r"over its budget max_image_bytes=\d+") as e:
         await client.submit([[1, 7]], 1, images=[[other]], job_id="over")
-    assert e.value.field == "images" and not await redis.exists(client.keys.image(digest_of(other)))
+    assert e.value.field == "images"
+    assert not await redis.exists(client.keys.image(TRAINER, digest_of(other)))
     with pytest.raises(KeyError):
         await client.status("over")  # refused before anything was queued
     await make_client("bob").submit([[1, 7]], 1, images=[[other]])  # bob's budget is his own
@@ -151,7 +159,7 @@ async def test_chat_data_urls_become_stored_images_and_remote_urls_are_refused(m
     assert messages[0]["content"][1]["image_url"]["url"].startswith("data:")  # the caller's copy
     client = make_client()
     await client.submit_chat([messages], 1)
-    assert await redis.exists(client.keys.image(digest_of(webp)))
+    assert await redis.exists(client.keys.image(TRAINER, digest_of(webp)))
     for url in ("https://example.com/cat.png", "file:///etc/passwd", "data:text/plain;base64,AAAA"):
         bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
         with pytest.raises(InvalidInput, match="only data:image") as e:
@@ -190,9 +198,9 @@ async def test_the_worker_decodes_hostile_bytes_into_errors_with_bounded_memory(
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     reasons = {}
     for name, data in hostile_images().items():
-        await redis.set(keys.image(digest_of(data)), data)
+        await redis.set(keys.image("t", digest_of(data)), data)
         with pytest.raises(InvalidInput) as e:
-            await loader.load([digest_of(data)])
+            await loader.load([digest_of(data)], "t")
         reasons[name] = str(e.value)
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     print(reasons, f"max RSS grew by {grown_mb:.0f} MB")
@@ -200,14 +208,77 @@ async def test_the_worker_decodes_hostile_bytes_into_errors_with_bounded_memory(
     assert "too many pixels" in reasons["png bomb"] and "truncated" in reasons["truncated jpeg"]
     assert all(r.startswith("images[0]: ") for r in reasons.values())
     # A stored image whose bytes are not its digest's is refused too.
-    await redis.set(keys.image(digest_of(b"claimed")), IMAGE)
+    await redis.set(keys.image("t", digest_of(b"claimed")), IMAGE)
     with pytest.raises(InvalidInput, match="do not hash"):
-        await loader.load([digest_of(b"claimed")])
+        await loader.load([digest_of(b"claimed")], "t")
     flat = encoded(Image.new("L", (4096, 3000)))
-    await redis.set(keys.image(digest_of(flat)), flat)
+    await redis.set(keys.image("t", digest_of(flat)), flat)
     with pytest.raises(InvalidInput, match="pixels together") as e:  # before decoding any
-        await loader.load([digest_of(flat)] * 3)
+        await loader.load([digest_of(flat)] * 3, "t")
     assert e.value.field == "images"
-    await redis.set(keys.image(digest_of(IMAGE)), IMAGE)
-    [decoded] = await loader.load([digest_of(IMAGE)])
+    await redis.set(keys.image("t", digest_of(IMAGE)), IMAGE)
+    [decoded] = await loader.load([digest_of(IMAGE)], "t")
     assert decoded.size == (600, 600)
+
+
+@pytest.mark.parametrize("skew_s", [-8 * 86_400, 8 * 86_400])
+async def test_image_holds_expire_on_redis_clock_whatever_the_clients(make_client, redis, monkeypatch,
+                                                                      skew_s):
+    """Holds and image TTLs keep one clock, Redis's: a client whose clock lags by more than an
+    image's TTL (or runs ahead) keeps its images counted against the trainer's budget while Redis
+    stores them. With the client's clock (before): a lagging client's hold was dropped by the next
+    submit from a right clock (and the trainer could store more than its budget), one ahead
+    dropped every hold of its trainer's other clients."""
+    other = encoded(noise_image(2, (600, 600)))
+    skewed = make_client(max_image_bytes=len(IMAGE) + len(other) - 1)
+    right = make_client(max_image_bytes=len(IMAGE) + len(other) - 1)
+    first, second = (skewed, right) if skew_s < 0 else (right, skewed)
+    now = time.time()
+    with monkeypatch.context() as m:
+        if first is skewed:
+            m.setattr(time, "time", lambda: now + skew_s)
+        await first.upload_image(IMAGE)
+    assert await redis.ttl(first.keys.image(TRAINER, digest_of(IMAGE))) > 86_400
+    with monkeypatch.context() as m, pytest.raises(InvalidInput, match="max_image_bytes"):
+        if second is skewed:
+            m.setattr(time, "time", lambda: now + skew_s)
+        await second.upload_image(other)
+    assert await redis.get(right.keys.image_bytes(TRAINER)) == str(len(IMAGE)).encode()
+
+
+class _ImageReadingEngine(InstantEngine):
+    """The instant engine, but reading each group's images as the vLLM engine does (through the
+    worker's `ImageLoader`; a missing image fails the group): the test is about which keys a
+    worker reads, not about vision (tests/test_images_vllm.py)."""
+
+    class images:
+        loader = None
+
+    async def generate_group(self, item):
+        from rollq.engine.base import GroupError
+
+        try:
+            loaded = await self.images.loader.load(item.images)
+        except InvalidInput as e:
+            raise GroupError(f"image refused: {e}") from None
+        assert all(im.size == (600, 600) for im in loaded)
+        return await super().generate_group(item)
+
+
+async def test_a_worker_reads_the_images_of_the_trainer_whose_stream_the_group_came_from(
+        make_client, make_worker):
+    """Images are per trainer: a group reads its own trainer's copy (its derived ids' too), and a
+    group naming an image only another trainer stored fails "not stored": a trainer cannot get
+    another's image into its samples by naming its digest."""
+    make_worker(engine=_ImageReadingEngine(delay_s=0.001))
+    alice, bob = make_client("alice"), make_client("bob")
+    ref = await alice.upload_image(IMAGE)
+    await alice.submit([[1]], 1, images=[[ref]], job_id="hers")
+    [hers] = await alice.take(1, timeout_s=30)
+    assert hers.status == "ok", hers.reason
+    # bob forges a reference to alice's digest past his client's check (the worker is the gate).
+    item = WorkItem("forged", 0, pack_tokens([2]), 1, Sampling(max_tokens=2), 0.0, images=[ref.digest])
+    await bob.redis.sadd(bob.keys.trainers, "bob")
+    await bob.redis.xadd(bob.keys.work("bob"), {"d": encode(item)})
+    [forged] = await bob.take(1, timeout_s=30)
+    assert forged.status == "failed" and "is not stored" in forged.reason

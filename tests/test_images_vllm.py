@@ -104,7 +104,7 @@ async def test_hostile_images_fail_their_group_and_disturb_nothing(make_client, 
     client = make_client()
     hostile = hostile_images()
     for data in hostile.values():
-        await redis.set(client.keys.image(digest_of(data)), data)
+        await redis.set(client.keys.image(client.trainer_id, digest_of(data)), data)
     good = noise_image(4)
     prompt_ids = reference.processor.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

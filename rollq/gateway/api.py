@@ -21,6 +21,7 @@ from rollq.client import RolloutClient
 from rollq.gateway import completions as oai
 from rollq.gateway.auth import Principal, allowed
 from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body, read_body, reply, wants_msgpack
+from rollq.gateway.pool_view import unobserved
 from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch,
                                   SubmitRequest, Submitted, VersionList, result_view, sample_view,
                                   version_view)
@@ -35,7 +36,7 @@ from rollq.registry.commit import commit_version
 from rollq.registry.safetensors_check import WeightError
 from rollq.registry.store import WeightStore
 from rollq.registry.versions import Registry, VersionConflict
-from rollq.status import policies, policy_status
+from rollq.status import PolicyStatus, policies, policy_status
 
 log = logging.getLogger("rollq.gateway")
 
@@ -288,13 +289,19 @@ async def publish_version(request: web.Request) -> web.Response:
 
 
 async def workers(request: web.Request) -> web.Response:
-    gw, policy, _ = _context(request)
-    return reply(request, (await policy_status(gw.redis, policy)).workers)
+    return reply(request, (await _status(request)).workers)
 
 
 async def status(request: web.Request) -> web.Response:
-    gw, policy, _ = _context(request)
-    return reply(request, await policy_status(gw.redis, policy))
+    return reply(request, await _status(request))
+
+
+async def _status(request: web.Request) -> PolicyStatus:
+    """The policy's status; without the `observe` scope, only what is the token's own business
+    (`pool_view.unobserved`): `observe` guards every trainer's names, counts and failures."""
+    gw, policy, who = _context(request)
+    found = await policy_status(gw.redis, policy)
+    return found if gw.settings.public_observe or who.may("observe") else unobserved(found, who.trainer)
 
 
 # --- OpenAI-compatible -----------------------------------------------------------------------

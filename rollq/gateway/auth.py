@@ -23,7 +23,8 @@ from rollq.protocol import InvalidInput, check_id
 SCOPES = {
     "rollouts": "submit, read and acknowledge results, cancel, completions, see versions and workers",
     "publish": "publish policy versions (whoever publishes decides what every trainer samples from)",
-    "observe": "/metrics and the dashboard's data: every trainer's names, counts and failure reasons",
+    "observe": "/metrics, the dashboard's data, and in /status and /workers every trainer's names, "
+               "counts and the workers' errors and failure reasons",
 }
 
 
@@ -35,9 +36,12 @@ class Principal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def may_use(self, policy: str) -> bool:
         return "*" in self.policies or policy in self.policies
 
+    def may(self, scope: str) -> bool:
+        return scope in self.scopes
+
     def require(self, scope: str) -> None:
         """403 unless the token has `scope`."""
-        if scope not in self.scopes:
+        if not self.may(scope):
             raise ApiError(403, f"this token of trainer {self.trainer!r} lacks the scope {scope!r} "
                                 f"({SCOPES[scope]}); add it to the token's \"scopes\" in the token file",
                            "scopes")

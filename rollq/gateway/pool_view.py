@@ -20,10 +20,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rollq.protocol import DERIVED_SEPARATOR
 from rollq.queue.keys import Keys
 from rollq.queue.names import DeadField
 from rollq.status import PolicyStatus, policies, policy_status
-from rollq.queue.workers import LAG_BUCKETS, Totals
+from rollq.queue.workers import LAG_BUCKETS, Totals, WorkerState
 
 SERIES_POINTS = 900
 """Dashboard history: 15 minutes at one point per second."""
@@ -204,3 +205,18 @@ def _buckets(lag: collections.Counter) -> list[tuple[str, int]]:
         out.append((str(float(bound)), running))
     out.append(("+Inf", sum(lag.values())))
     return out
+
+
+def unobserved(status: PolicyStatus, trainer: str) -> PolicyStatus:
+    """`status` as a token without the `observe` scope sees it: versions, the workers' versions
+    and states, and only its own trainer's queues (its derived ids' too: its episodes and
+    completions); no other trainer's name or counts, no worker's last error or totals (their
+    failures name other trainers' jobs and reasons)."""
+    mine = [q for q in status.queues
+            if q.trainer == trainer or q.trainer.startswith(trainer + DERIVED_SEPARATOR)]
+    return PolicyStatus(status.policy, status.latest, status.versions,
+                        [unobserved_worker(w) for w in status.workers], mine)
+
+
+def unobserved_worker(w: WorkerState) -> WorkerState:
+    return msgspec.structs.replace(w, last_error="", totals=Totals())

@@ -113,10 +113,13 @@ class Keys:
         """A worker's last heartbeat; expires when the worker stops beating."""
         return f"{self._p}:worker:{worker_id}"
 
-    def image(self, digest: str) -> str:
-        """String: one image's encoded bytes, stored once per content (BLAKE3 hex `digest`)
-        whatever the number of groups and jobs naming it; expires (`rollq/images.py`)."""
-        return f"{self._p}:image:{digest}"
+    def image(self, trainer: str, digest: str) -> str:
+        """String: one image's encoded bytes, stored once per trainer and content (BLAKE3 hex
+        `digest`) whatever the number of groups and jobs naming it; expires (`rollq/images.py`).
+        `trainer`: a user's trainer id, never a derived one (`images.image_owner`). Per trainer,
+        not per policy: a key two trainers share is a key one of them can shorten or overwrite
+        (Redis ACLs grant commands, not their options), so no trainer holds another's images."""
+        return f"{self._p}:image:{trainer}:{digest}"
 
     def image_holds(self, trainer: str) -> str:
         """Sorted set (digest followed by its bytes) -> expiry (unix s): the images a trainer

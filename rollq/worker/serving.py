@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.engine.base import Engine, GroupError
+from rollq.images import SERVING_FOR
 from rollq.protocol import GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode, peek_header
 from rollq.queue.names import JobState, Reply
 from rollq.queue.work import Claimed, WorkQueue
@@ -69,6 +70,8 @@ class GroupServer:
                 c.job_id, c.group_index = header.job_id, header.group_index
             return await self._fail(c, item, dead=True)
         c.job_id, c.group_index = item.job_id, item.group_index
+        # Whose images it may read: the stream's trainer, never one the item names (a task each).
+        SERVING_FOR.set(self.queue.keys.trainer_of(c.stream))
         if job_state is JobState.CANCELLED:
             return await self.finish(c, cancelled(c, self.worker_id, prompt=item.prompt))
         result = await self._generate(c.key, item)

@@ -139,9 +139,9 @@ async def test_acl_trainer_cannot_touch_another_trainers_jobs_quota_or_claim_ord
         m.scan(0, match=f"{keys.every_key}"),
     ]
     for attack in attacks:
-        # (The EVAL is let through and its SREM refused: "can't access at least one of the keys".)
+        # (The EVAL is let through and its SREM refused: "can't run this command".)
         with pytest.raises((NoPermissionError, ResponseError),
-                           match="(?i)noperm|permission|can.t access"):
+                           match="(?i)noperm|permission|can.t (access|run)"):
             await attack
     assert await acl.admin.sismember(keys.trainers, "alice")
     assert await acl.admin.hget(keys.job("alice", "step-1"), "state") == b"pending"
@@ -155,9 +155,8 @@ async def test_acl_trainer_cannot_touch_another_trainers_jobs_quota_or_claim_ord
 
 
 async def test_acl_trainer_users_store_images_within_their_own_budget(acl, policy):
-    """Under `rollq acl`, a trainer stores images (the shared image keys, its own holds), the
-    same image another stored is held by both, and no trainer can delete an image or touch
-    another's holds."""
+    """Under `rollq acl`, a trainer stores images (its own image keys and holds), the same image
+    another stored is its own copy, and no trainer can delete an image or touch another's holds."""
     from vlm import encoded, noise_image
 
     from rollq.images import digest_of
@@ -171,13 +170,95 @@ async def test_acl_trainer_users_store_images_within_their_own_budget(acl, polic
     [mine] = await alice.take(1, timeout_s=30)
     assert mine.status in ("ok", "failed") and mine.prompt_ids == [1]  # (no VLM: it may fail)
     m = mallory.redis
-    for attack in (m.delete(keys.image(digest_of(image))), m.unlink(keys.image(digest_of(image))),
+    for attack in (m.delete(keys.image("alice", digest_of(image))),
+                   m.unlink(keys.image("alice", digest_of(image))),
                    m.zrange(keys.image_holds("alice"), 0, -1), m.set(keys.image_bytes("alice"), 0),
                    m.set(keys.trainers, "x")):
         with pytest.raises(NoPermissionError):
             await attack
     for trainer in ("alice", "mallory"):
         assert await acl.admin.get(keys.image_bytes(trainer)) == str(len(image)).encode()
+        assert await acl.admin.strlen(keys.image(trainer, digest_of(image))) == len(image)
+
+
+async def test_acl_trainer_cannot_delete_shorten_overwrite_or_read_anothers_image(acl, policy):
+    """The docs' promise "no trainer can delete an image another named", against every command
+    that could: DEL, EXPIRE to 0 (review-turn3/acl_images.py: it was allowed), PEXPIRE, SET ... EX 1
+    (a replacement that expires), SET ... GET (reads the bytes), GETDEL, GETEX, RENAME. The image
+    stays with its TTL and bob's submits naming it are accepted and served."""
+    from vlm import encoded, noise_image
+
+    from rollq.images import ImageRef, digest_of
+
+    image = encoded(noise_image(5, (16, 16)))
+    bob, mallory = acl.client("bob"), acl.client("mallory")
+    ref = await bob.upload_image(image)
+    key = Keys(policy).image("bob", ref.digest)
+    ttl = await acl.admin.ttl(key)
+    assert ttl > 86_400
+    await mallory.upload_image(image)  # mallory knows the bytes: she still reaches only her copy
+    attacks = [("DEL", key), ("EXPIRE", key, 0), ("PEXPIRE", key, 1), ("EXPIREAT", key, 1),
+               ("SET", key, b"x", "EX", 1), ("SET", key, image, "GET"), ("GETDEL", key),
+               ("GETEX", key, "EX", 1), ("RENAME", key, Keys(policy).image("mallory", "x")),
+               ("GET", key), ("STRLEN", key)]
+    for attack in attacks:
+        with pytest.raises((NoPermissionError, ResponseError), match="(?i)noperm|permission"):
+            await mallory.redis.execute_command(*attack)
+    assert await acl.admin.get(key) == image and await acl.admin.ttl(key) >= ttl - 5
+    await acl.worker()
+    await bob.submit([[1]], n=1, images=[[ImageRef(digest_of(image))]], job_id="named")
+    [served] = await bob.take(1, timeout_s=30)
+    assert served.job_id == "named" and "not stored" not in served.reason
+
+
+FUNCTION = "#!lua name=x\nredis.register_function('f', function() return 1 end)"
+SERVER_COMMANDS = [("SCRIPT", "FLUSH"), ("SCRIPT", "KILL"), ("FUNCTION", "LOAD", FUNCTION),
+                   ("FUNCTION", "FLUSH"), ("FUNCTION", "LIST"), ("MEMORY", "STATS"), ("DBSIZE",),
+                   ("CLIENT", "LIST"), ("KEYS", "*"), ("FLUSHALL",), ("CONFIG", "GET", "*"),
+                   ("SHUTDOWN",), ("MONITOR",)]
+
+
+@pytest.mark.parametrize("user", ["alice", "worker"])
+async def test_acl_users_run_no_server_commands(acl, durable_redis, user):
+    """Neither a trainer nor a worker user may run commands that act on the whole server: load
+    persistent code (FUNCTION), flush every client's scripts, read memory or key counts, list
+    clients or keys (review-turn3/acl_images.py: FUNCTION LOAD, SCRIPT FLUSH, MEMORY STATS and
+    DBSIZE were allowed). Only a trainer also lacks SCAN; the worker user's (`rollq status`) is
+    what it needs."""
+    r = redis_async.Redis(port=durable_redis.port, username=user, password=f"{user}-pw")
+    try:
+        for command in SERVER_COMMANDS + ([("SCAN", 0)] if user == "alice" else []):
+            with pytest.raises(NoPermissionError):
+                await r.execute_command(*command)
+        assert await acl.admin.execute_command("FUNCTION", "LIST") == []
+    finally:
+        await r.aclose()
+
+
+async def test_acl_publisher_publishes_and_retires_versions(acl, policy, tmp_path):
+    """A `--publisher` trainer user publishes versions and its retention (keep=1) retires the
+    old ones, with the publisher's commands only; it still runs no server command."""
+    import torch
+
+    await acl.admin.execute_command("ACL", "SETUSER", *trainer_acl(policy, "pub", "pub-pw",
+                                                                   publisher=True))
+    pub = RolloutClient(acl.url.format("pub:pub-pw"), policy=policy, trainer_id="pub",
+                        weight_store=str(tmp_path / "store"))
+    acl._clients.append(pub)
+    await acl.worker()
+    await acl.admin.acl_log_reset()
+    await pub.submit([[1]], n=1, max_staleness=0, job_id="bounded")  # retention reads its window
+    [done] = await pub.take(1, timeout_s=30, ack="manual")
+    await pub.ack([done])  # finished: retention drops it from the bounded jobs (SREM)
+    for version in (1, 2, 3):
+        await pub.publish_weights(version, {"w": torch.full((4,), float(version))}, keep=1)
+    assert [e.version for e in await pub.registry.entries()] == [3]
+    assert not await acl.admin.sismember(Keys(policy).bounded_jobs, Keys(policy).job("pub", "bounded"))
+    log = await acl.admin.acl_log()
+    assert not [e for e in log if e["username"] == "pub"], log  # nothing it needed was refused
+    for command in (("FUNCTION", "LOAD", FUNCTION), ("SCRIPT", "FLUSH"), ("DBSIZE",)):
+        with pytest.raises(NoPermissionError):
+            await pub.redis.execute_command(*command)
 
 
 async def _status_of(client: RolloutClient, trainer: str):

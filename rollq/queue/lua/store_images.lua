@@ -1,14 +1,16 @@
 -- Store a submit's images once per content, within the trainer's image budget.
 -- KEYS: the trainer's image holds (sorted set: digest .. bytes -> expiry, unix s), the bytes they
---       hold (counter), then one image key per image.
--- ARGV: now (unix s), ttl (s), budget (bytes), then per image its digest (64 hex characters)
---       and its bytes ('' for a reference to an image stored before).
+--       hold (counter), then one image key per image (the trainer's own: `Keys.image`).
+-- ARGV: ttl (s), budget (bytes), then per image its digest (64 hex characters) and its bytes
+--       ('' for a reference to an image stored before).
 -- Returns {REPLY_OK, bytes written}, {REPLY_GONE, digest} (a reference to an image Redis no
 -- longer holds) or {REPLY_BYTES, bytes held, bytes this call adds} (over the budget).
 -- A trainer's budget counts every distinct image it stored or named until its hold expires
 -- (`ttl` after the last submit naming it), whoever stored it first: Redis holds at most the sum
 -- of the budgets. Idempotent: a call sent again (its reply lost) holds nothing twice.
-local now, ttl, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+-- Holds expire on Redis's clock, as the keys' TTLs do: a client whose clock lags would drop
+-- holds of images Redis still stores (and store more than its budget); one ahead, the reverse.
+local now, ttl, budget = tonumber(redis.call('TIME')[1]), tonumber(ARGV[1]), tonumber(ARGV[2])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
 if #expired > 0 then
   local freed = 0
@@ -21,7 +23,7 @@ end
 local held = tonumber(redis.call('GET', KEYS[2]) or '0')
 local members, added = {}, 0
 for i = 3, #KEYS do
-  local digest, data = ARGV[2 * i - 2], ARGV[2 * i - 1]
+  local digest, data = ARGV[2 * i - 3], ARGV[2 * i - 2]
   local size = #data
   if size == 0 then
     size = redis.call('STRLEN', KEYS[i])
@@ -39,7 +41,7 @@ if held + added > budget then
 end
 local written = 0
 for i = 3, #KEYS do
-  local data = ARGV[2 * i - 1]
+  local data = ARGV[2 * i - 2]
   if #data > 0 and redis.call('SET', KEYS[i], data, 'NX', 'EX', ttl) then
     written = written + #data
   end
