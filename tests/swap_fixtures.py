@@ -7,7 +7,7 @@ from itertools import groupby
 
 import pytest
 import torch
-from engine_fixtures import borrow, give_back
+from conftest import engine_flags
 from models import greedy
 from transformers import LlamaForCausalLM
 
@@ -36,12 +36,14 @@ def versions(tiny_model, reference):
 
 
 @pytest.fixture(scope="module")
-async def swap_engine(request, tiny_model, shared_engines):
-    """A float32 engine apart from the session's `vllm_engine` (these tests swap it, and some run
-    a worker on each), on version 1; shared by the swap modules, each given it back on version 1
-    with the tiny model's weights (tests/engine_fixtures.py)."""
-    yield await borrow("swap", tiny_model, version=1)
-    await give_back("swap", request, tiny_model, version=1)
+async def swap_engine(tiny_model):
+    """A float32 engine of its own (these tests swap it); it starts as version 1."""
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate(), version=1)
+    yield engine
+    await engine.close()
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from engine_fixtures import borrow, give_back
 from models import greedy, load_reference, make_chat_model, token_logprobs
 
 from rollq.faults import free_port
@@ -29,6 +28,11 @@ SYSTEM = {"role": "system", "content": "w10 w11 w12"}
 USER = {"role": "user", "content": "w20 w21 w22 w23"}
 TOOLS = [{"type": "function", "function": {"name": "w33", "description": "w34", "parameters": {}}},
          {"type": "function", "function": {"name": "w44", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return make_chat_model(tmp_path_factory.mktemp("chat-model") / "m")
 
 
 class VLLMServer:
@@ -76,11 +80,16 @@ def vllm_server(chat_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-async def chat_engine(request, chat_model, vllm_server, shared_engines):
-    """The rollq side's engine (the session's engine of the chat model, tests/engine_fixtures.py),
-    started while vLLM's server starts (it depends on it for that)."""
-    yield await borrow("chat", chat_model)
-    await give_back("chat", request, chat_model)
+async def chat_engine(chat_model, vllm_server):
+    """The rollq side's engine, started while vLLM's server starts (it depends on it for that)."""
+    from conftest import engine_flags
+
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(chat_model)).validate())
+    yield engine
+    await engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_fixtures import borrow, give_back
-from models import token_logprobs
+from models import make_chat_model, token_logprobs
 from transformers import TrainerCallback
 
 pytest.importorskip("trl")
@@ -20,11 +19,20 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-async def chat_engine(request, chat_model, shared_engines):
-    """The session's engine of the chat model (tests/engine_fixtures.py): the trainer's versions
-    replace its weights, and the original ones are loaded back after the module."""
-    yield await borrow("chat", chat_model)
-    await give_back("chat", request, chat_model)
+def chat_model(tmp_path_factory) -> Path:
+    return make_chat_model(tmp_path_factory.mktemp("async-grpo-model") / "m")
+
+
+@pytest.fixture(scope="module")
+async def engine(chat_model):
+    from conftest import engine_flags
+
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(chat_model)).validate())
+    yield engine
+    await engine.close()
 
 
 def even_tokens(completions, completion_ids, **_) -> list[float]:
@@ -97,7 +105,7 @@ def run(chat_model: Path, out: Path, gateway_url: str, token: str, publisher):
 
 @pytest.mark.timeout(600)  # usually under a minute; seen at 4 min on a loaded 2-core box
 async def test_async_grpo_trainer_on_cpu_runs_up_to_its_flash_attention_3_forward(
-        make_gateway, make_worker, chat_engine, chat_model, redis_url, redis, policy, tmp_path, monkeypatch):
+        make_gateway, make_worker, engine, chat_model, redis_url, redis, policy, tmp_path, monkeypatch):
     """AsyncGRPOTrainer needs a GPU for two things: its MFU metric asks torch.cuda for the device
     name (patched out here), and its loss forward runs attention through `tree_fa3`, FlashAttention 3
     fetched by the `kernels` package from the Hugging Face Hub (a CUDA kernel; not installed here,
@@ -110,7 +118,7 @@ async def test_async_grpo_trainer_on_cpu_runs_up_to_its_flash_attention_3_forwar
     from rollq.registry.safetensors_check import dir_schema
     from rollq.registry.versions import Registry
 
-    make_worker(engine=chat_engine, base_schema=dir_schema(chat_model), max_inflight=32, max_inflight_seqs=32)
+    make_worker(engine=engine, base_schema=dir_schema(chat_model), max_inflight=32, max_inflight_seqs=32)
     gw = await make_gateway()
     publisher = await asyncio.to_thread(SyncRolloutClient, redis_url, policy=policy, trainer_id="async-grpo",
                                         weight_store=str(tmp_path / "store"))

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_fixtures import borrow, give_back
-from models import token_logprobs
+from models import make_chat_model, token_logprobs
 
 pytest.importorskip("trl")
 
@@ -19,11 +18,21 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-async def grpo_engine(request, chat_model, shared_engines):
-    """The session's engine of the chat model (tests/engine_fixtures.py): the trainer's versions
-    replace its weights, and the original ones are loaded back after the module."""
-    yield await borrow("chat", chat_model)
-    await give_back("chat", request, chat_model)
+def chat_model(tmp_path_factory) -> Path:
+    return make_chat_model(tmp_path_factory.mktemp("grpo-model") / "m")
+
+
+@pytest.fixture(scope="module")
+async def grpo_engine(chat_model):
+    """An engine of its own: the trainer's versions replace its weights."""
+    from conftest import engine_flags
+
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(chat_model)).validate())
+    yield engine
+    await engine.close()
 
 
 def even_tokens(completions, completion_ids, **_) -> list[float]:

@@ -8,12 +8,12 @@ client call goes through `asyncio.to_thread`.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import requests
 import torch
-from engine_fixtures import borrow, give_back
-from models import greedy, load_reference, token_logprobs
+from models import greedy, load_reference, make_chat_model, token_logprobs
 
 pytest.importorskip("trl")
 from trl.generation.vllm_client import VLLMClient  # noqa: E402
@@ -25,6 +25,11 @@ USER = {"role": "user", "content": "w20 w21 w22 w23"}
 
 
 @pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return make_chat_model(tmp_path_factory.mktemp("trl-model") / "m")
+
+
+@pytest.fixture(scope="module")
 def chat_reference(chat_model):
     from transformers import AutoTokenizer
 
@@ -32,10 +37,15 @@ def chat_reference(chat_model):
 
 
 @pytest.fixture(scope="module")
-async def chat_engine(request, chat_model, shared_engines):
-    """The session's engine of the chat model (tests/engine_fixtures.py)."""
-    yield await borrow("chat", chat_model)
-    await give_back("chat", request, chat_model)
+async def chat_engine(chat_model):
+    from conftest import engine_flags
+
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(chat_model)).validate())
+    yield engine
+    await engine.close()
 
 
 @pytest.fixture
