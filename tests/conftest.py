@@ -44,19 +44,8 @@ def pytest_unconfigure(config):
     tr.write_sep("=", f"{min(SLOWEST, len(_durations))} slowest tests (setup + call + teardown)")
     for nodeid, seconds in sorted(_durations.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         tr.write_line(f"{seconds:8.1f} s  {nodeid}")
-    from engine_fixtures import STARTS
-
-    if STARTS:
-        tr.write_line("shared vLLM engines started: "
-                      + ", ".join(f"{k} {v}" for k, v in sorted(STARTS.items())))
     tr.write_line(f"total: {len(_durations)} tests, {sum(_durations.values()):.1f} s in tests, "
                   f"{time.monotonic() - _session_began:.1f} s in all")
-
-
-def pytest_collection_finish(session):
-    from engine_fixtures import note_last_users
-
-    note_last_users(session.items)
 
 
 LONG = os.environ.get("ROLLQ_LONG_TESTS", "") not in ("", "0")
@@ -266,24 +255,6 @@ async def vllm_engine(tiny_model):
     engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate())
     yield engine
     await engine.close()
-
-
-@pytest.fixture(scope="session")
-async def shared_engines():
-    """Closes what is left of the engines modules borrow (tests/engine_fixtures.py)."""
-    from engine_fixtures import close_all
-
-    yield
-    await close_all()
-
-
-@pytest.fixture(scope="session")
-def chat_model(tmp_path_factory) -> Path:
-    """The tiny model with a word-level tokenizer and a chat template (tests/models.py): one per
-    session, so the chat modules share one engine of it."""
-    from models import make_chat_model
-
-    return make_chat_model(tmp_path_factory.mktemp("chat-model") / "m")
 
 
 @pytest.fixture
