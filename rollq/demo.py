@@ -195,7 +195,9 @@ async def run_mode(example, mode: str, s: DemoSettings, redis_url: str, model: P
 
     policy = f"demo-{mode}-{uuid.uuid4().hex[:6]}"
     staleness = 0 if mode == "sync" else s.staleness
-    task = progress.add_task(f"{mode:5} starting worker", total=s.steps)
+    # The bar's clock starts with the training (the table's wall time), not with the worker's
+    # start-up: a vLLM engine's tens of seconds are no part of a run's wall time.
+    task = progress.add_task(f"{mode:5} starting worker", total=s.steps, start=False)
     log = s.out_dir / f"worker-{mode}.log"
     with worker_process(redis_url, policy, model, log, cpu="0") as proc:
         await wait_for_worker(redis_url, policy, proc, s.worker_start_timeout_s, log)
@@ -209,6 +211,7 @@ async def run_mode(example, mode: str, s: DemoSettings, redis_url: str, model: P
                                  weight_store=str(s.out_dir / "weights")) as client:
             timed = DemoClient(client, SWAP_MODE)
             before = cpu_times()
+            progress.start_task(task)
             stats = await example.train(timed, trainer, steps=s.steps, groups=s.groups, n=s.n,
                                         staleness=staleness, on_step=on_step)
             CPU_BUSY[mode] = busy_percent(before, cpu_times())

@@ -23,6 +23,36 @@ from rollq.worker.loop import Worker
 from rollq.children import stop_child
 
 
+# --- the run's slowest tests and its total, printed last (after pytest's own summary line) -----
+
+SLOWEST = 25
+_durations: dict[str, float] = {}
+_session_began = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    # setup + call + teardown: a module's fixture set-up is paid by its first test.
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_unconfigure(config):
+    """The drift shows at the very end of every log: pytest's `--durations` table comes before
+    the failures and the summary line, where nobody scrolls to it."""
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None or not _durations:
+        return
+    tr.write_sep("=", f"{min(SLOWEST, len(_durations))} slowest tests (setup + call + teardown)")
+    for nodeid, seconds in sorted(_durations.items(), key=lambda kv: -kv[1])[:SLOWEST]:
+        tr.write_line(f"{seconds:8.1f} s  {nodeid}")
+    tr.write_line(f"total: {len(_durations)} tests, {sum(_durations.values()):.1f} s in tests, "
+                  f"{time.monotonic() - _session_began:.1f} s in all")
+
+
+LONG = os.environ.get("ROLLQ_LONG_TESTS", "") not in ("", "0")
+"""`ROLLQ_LONG_TESTS=1 pytest ...`: the long variants at full length (10,000 hostile payloads);
+CI runs them short. Each test says what its short variant still covers."""
+
+
 def _wait_for_redis(url: str, timeout_s: float = 10) -> None:
     give_up = time.monotonic() + timeout_s
     while True:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -43,4 +44,12 @@ def test_short_demo_runs_and_keeps_staleness_within_bound(tmp_path):
             assert max(int(s) for s in step["staleness"]) <= bound, (mode, step)
             assert 0.0 <= step["reward"] <= 1.0
     assert (out / "reward.png").stat().st_size > 0
+    # The bars' clocks and the table agree on each run's wall time: a bar's clock runs while its
+    # trainer trains (not while its worker starts) and shows whole seconds.
+    bars = {m: int(h) * 3600 + int(mi) * 60 + int(sec) for m, h, mi, sec in re.findall(
+        r"^(sync|async) +step .* (\d+):(\d\d):(\d\d)\s*$", proc.stdout, re.MULTILINE)}
+    table = dict(re.findall(r"^. (sync|async) +. [^\n]*?. ([\d.]+) s ", proc.stdout, re.MULTILINE))
+    assert bars.keys() == table.keys() == {"sync", "async"}, proc.stdout[-3000:]
+    for mode in ("sync", "async"):
+        assert 0 <= float(table[mode]) - bars[mode] < 1.5, (mode, bars, table, proc.stdout[-3000:])
 

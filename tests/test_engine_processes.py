@@ -92,6 +92,68 @@ def pool_workers(pool: subprocess.Popen) -> list[int]:
             and not comm(p).startswith("VLLM")]
 
 
+def start_pool(log_path: Path, redis_url: str, policy: str, workers: int, *flags: str) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rollq", "pool", "--workers", str(workers), "--grace-s", "2",
+             "--redis-url", redis_url, "--policy", policy, "--poll-s", "0.2", *flags],
+            stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"COLUMNS": "200"})
+
+
+def end_pool(pool: subprocess.Popen) -> None:
+    if pool.poll() is None:
+        for worker in pool_workers(pool):
+            reap_group(worker)
+        pool.kill()
+        pool.wait()
+
+
+async def test_pool_of_two_replaces_the_killed_worker_and_stops_in_stages(make_client, make_worker,
+                                                                          redis_url, policy, tmp_path):
+    """The pool's own bookkeeping, on instant-engine workers (up in a second): a SIGKILLed worker
+    is replaced while its sibling serves on; SIGTERM stops both in stages, and what they held is
+    handed back and finished elsewhere, in seconds. The vLLM test below checks the same on real
+    engines, and what needs one: the killed worker's engine core goes with it."""
+    client = make_client()
+    log_path = tmp_path / "pool.log"
+    pool = start_pool(log_path, redis_url, policy, 2, "--engine", "instant", "--instant-delay-s", "0.2",
+                      "--max-inflight", "4")  # so that both claim a share of a batch
+    try:
+        await wait_until(lambda: log_path.read_text().count("serving policy") == 2, timeout_s=60,
+                         what="two workers up")
+        first = pool_workers(pool)
+        assert len(first) == 2
+        victim, sibling = first
+        subprocess.run(["kill", "-9", str(victim)], check=True)
+        await wait_until(lambda: "was killed by SIGKILL" in log_path.read_text(), what="log line")
+        await client.submit([[1, i + 3] for i in range(8)], n=2, sampling={"max_tokens": 8})
+        await collect(client, 8, timeout_s=60)  # the sibling serves meanwhile
+        await wait_until(lambda: len(pool_workers(pool)) == 2 and victim not in pool_workers(pool),
+                         timeout_s=30, what="a replacement worker")
+        assert sibling in pool_workers(pool), "the sibling was restarted too"
+        replacement = (set(pool_workers(pool)) - set(first)).pop()
+        await wait_until(lambda: log_path.read_text().count("serving policy") == 3, timeout_s=60,
+                         what="the replacement up")
+        job = await client.submit([[2, i + 3] for i in range(24)], n=2, sampling={"max_tokens": 8})
+        served = await collect(client, 24, timeout_s=60)
+        assert any(f"-{replacement}-" in r.worker_id for r in served), "replacement never served"
+        assert (await client.status(job)).ok == 24
+
+        await client.submit([[3, i + 3] for i in range(24)], n=2, sampling={"max_tokens": 8})
+        await wait_until(lambda: _pending(client), what="groups in flight")
+        pool.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(pool.wait, 60) == 0
+        assert pool_workers(pool) == []
+    finally:
+        end_pool(pool)
+    before = await client.take(24, timeout_s=1)
+    make_worker("after-pool")
+    after = await collect(client, 24 - len(before), timeout_s=60) if len(before) < 24 else []
+    assert Counter(r.group_index for r in before + after) == Counter(range(24))
+    log = log_path.read_text()
+    assert "restarting in" in log and "all workers stopped" in log
+
+
 async def test_pool_restarts_a_killed_worker_and_stops_in_stages(make_client, make_vllm_worker,
                                                                  redis_url, policy, tiny_model,
                                                                  tmp_path):

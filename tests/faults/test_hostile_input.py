@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+from conftest import LONG
 from helpers import wait_until
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -14,7 +15,10 @@ from hypothesis import strategies as st
 from rollq.protocol import MAX_ITEM_BYTES, InvalidInput, Sampling, WorkItem, decode_item, encode, pack_tokens
 from rollq.queue.keys import Keys
 
-PAYLOADS = 10_000
+PAYLOADS = 10_000 if LONG else 3_000
+"""Short in CI: Hypothesis' generation is half the time. 3,000 still carries every kind (the
+exploit, oversized and short-prompt items, 2,980 generated) and 2,000 items after the first
+1,000 for the memory bound; ROLLQ_LONG_TESTS=1 runs 10,000."""
 
 
 def _exploit(marker) -> bytes:
@@ -75,7 +79,7 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-async def test_10000_hostile_payloads_are_dead_lettered_and_none_runs(spawn_worker, redis, policy, tmp_path):
+async def test_hostile_payloads_are_dead_lettered_and_none_runs(spawn_worker, redis, policy, tmp_path):
     marker = tmp_path / "pwned"
     payloads = generate(PAYLOADS - 20)
     payloads += [_exploit(marker)] * 10 + [b"\x91" + b"\x00" * (MAX_ITEM_BYTES + 1)] * 5
