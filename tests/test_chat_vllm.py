@@ -38,17 +38,17 @@ def chat_model(tmp_path_factory) -> Path:
 class VLLMServer:
     """`python -m vllm.entrypoints.openai.api_server` on a free loopback port, in its own session."""
 
-    def __init__(self, model: Path, log_path: Path):
+    def __init__(self, model: Path, log_path: Path, *args: str, max_model_len: int = 256):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
+             "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(max_model_len),
              "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
              # rollq's workers accept a request's chat_template; vLLM only with this flag.
-             "--trust-request-chat-template"],
+             "--trust-request-chat-template", *args],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"})
 
