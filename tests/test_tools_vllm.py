@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import aiohttp
+import httpx
 import openai
 import pytest
 from models import WEATHER_TOOL, make_tool_model
@@ -180,16 +181,17 @@ async def _langchain_loop(base_url: str, api_key: str, model: str) -> tuple[str,
 
     ran, get_weather = _weather_calls()
     weather = tool(get_weather)
-    llm = ChatOpenAI(base_url=base_url, api_key=api_key, model=model, temperature=0, max_tokens=48,
-                     max_retries=0).bind_tools([weather])
-    messages: list = [HumanMessage(USER["content"])]
-    for _ in range(3):
-        reply = await llm.ainvoke(messages)
-        if not reply.tool_calls:
-            return reply.content, ran
-        messages.append(reply)
-        for call in reply.tool_calls:
-            messages.append(ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"]))
+    async with httpx.AsyncClient() as http:  # else langchain keeps a client open past the test
+        llm = ChatOpenAI(base_url=base_url, api_key=api_key, model=model, temperature=0, max_tokens=48,
+                         max_retries=0, http_async_client=http).bind_tools([weather])
+        messages: list = [HumanMessage(USER["content"])]
+        for _ in range(3):
+            reply = await llm.ainvoke(messages)
+            if not reply.tool_calls:
+                return reply.content, ran
+            messages.append(reply)
+            for call in reply.tool_calls:
+                messages.append(ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"]))
     raise AssertionError("no final answer in 3 turns")
 
 
