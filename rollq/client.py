@@ -289,6 +289,9 @@ class RolloutClient:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = True,
+        reasoning_effort: str | None = None,
         job_id: str | None = None,
         deadline_s: float | None = None,
         meta: dict[str, Any] | None = None,
@@ -304,7 +307,9 @@ class RolloutClient:
         The worker renders each conversation with its model's chat template exactly as vLLM's
         OpenAI server does (`tools`, `chat_template_kwargs`, `chat_template`,
         `add_generation_prompt`, `continue_final_message` as vLLM takes them); each result's
-        `prompt` holds the rendered token ids, and its samples carry decoded `text`. Otherwise
+        `prompt` holds the rendered token ids, and its samples carry decoded `text`. On a worker
+        started with vLLM's parser flags, samples also carry vLLM's parsed `content`,
+        `tool_calls` and `reasoning` (`tool_choice`, `parallel_tool_calls` as vLLM's). Otherwise
         as `submit` (one round trip, idempotent `job_id`, quota, version window).
         """
         validate_n(n)
@@ -319,7 +324,10 @@ class RolloutClient:
                       chat_template_kwargs=_typed("chat_template_kwargs", chat_template_kwargs or {},
                                                   dict[str, Any]),
                       add_generation_prompt=bool(add_generation_prompt),
-                      continue_final_message=bool(continue_final_message))
+                      continue_final_message=bool(continue_final_message),
+                      tool_choice=_typed("tool_choice", tool_choice, str | dict[str, Any] | None),
+                      parallel_tool_calls=_typed("parallel_tool_calls", parallel_tool_calls, bool | None),
+                      reasoning_effort=_typed("reasoning_effort", reasoning_effort, str | None))
         found: dict[str, bytes | None] = {}
         chats, digests = [], []
         for i, messages in enumerate(conversations):

@@ -128,6 +128,14 @@ class VLLMSettings(msgspec.Struct, kw_only=True):
     """Adapter versions the engine runs in one batch; the worker keeps this many loaded."""
     max_lora_rank: int = 16
     """The largest adapter rank served; an adapter version of a higher rank is refused."""
+    enable_auto_tool_choice: bool = False
+    """As `vllm serve --enable-auto-tool-choice`: chat tool calls parsed for tool_choice "auto"
+    (and absent with tools); needs --tool-call-parser."""
+    tool_call_parser: str | None = None
+    """As `vllm serve --tool-call-parser NAME` (hermes, pythonic, llama3_json, ...): the vLLM
+    parser that turns a chat sample's text into `tool_calls`, on the worker."""
+    reasoning_parser: str | None = None
+    """As `vllm serve --reasoning-parser NAME`: a chat sample's thinking goes to `reasoning`."""
     engine_args: dict[str, Any] = {}
     """Any other `AsyncEngineArgs` field, passed through."""
 
@@ -148,6 +156,7 @@ class VLLMSettings(msgspec.Struct, kw_only=True):
         if self.max_lora_rank not in _LORA_RANKS:
             raise InvalidInput("max_lora_rank", f"max_lora_rank={self.max_lora_rank} must be one of "
                                                 f"{_LORA_RANKS} (vLLM's choices)")
+        self._validate_parsers()
         from vllm import AsyncEngineArgs
 
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
@@ -155,6 +164,26 @@ class VLLMSettings(msgspec.Struct, kw_only=True):
             if name not in known:
                 raise InvalidInput(f"engine_args.{name}", "is not a field of vLLM's AsyncEngineArgs")
         return self
+
+    def _validate_parsers(self) -> None:
+        """vLLM's own startup checks of the parser flags, before the engine starts."""
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise InvalidInput("enable_auto_tool_choice", "--enable-auto-tool-choice needs "
+                                                          "--tool-call-parser NAME (as vllm serve)")
+        if self.tool_call_parser:
+            from vllm.tool_parsers import ToolParserManager
+
+            names = sorted(ToolParserManager.list_registered())
+            if self.tool_call_parser not in names:
+                raise InvalidInput("tool_call_parser", f"{self.tool_call_parser!r} is not one of "
+                                                       f"vLLM's tool parsers: {', '.join(names)}")
+        if self.reasoning_parser:
+            from vllm.reasoning import ReasoningParserManager
+
+            names = sorted(ReasoningParserManager.list_registered())
+            if self.reasoning_parser not in names:
+                raise InvalidInput("reasoning_parser", f"{self.reasoning_parser!r} is not one of "
+                                                       f"vLLM's reasoning parsers: {', '.join(names)}")
 
     def engine_kwargs(self) -> dict[str, Any]:
         has_tokenizer = any(os.path.exists(os.path.join(self.model, f))
@@ -165,7 +194,8 @@ class VLLMSettings(msgspec.Struct, kw_only=True):
             tensor_parallel_size=self.tensor_parallel_size, enforce_eager=self.enforce_eager,
             seed=self.seed, enable_prefix_caching=self.enable_prefix_caching,
             logprobs_mode=self.logprobs_mode, skip_tokenizer_init=not has_tokenizer,
-        ) | (dict(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+        ) | (dict(reasoning_parser=self.reasoning_parser) if self.reasoning_parser else {}) \
+          | (dict(enable_lora=True, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
              if self.enable_lora else {}) | self.engine_args
 
 

@@ -191,12 +191,19 @@ class Chat(msgspec.Struct, **_WIRE):
     messages: list[dict[str, Any]]
     """OpenAI chat messages (`role`, `content`, optional `tool_calls`, `name`, ...)."""
     tools: list[dict[str, Any]] | None = None
-    """OpenAI tool definitions, handed to the template (rollq never parses tool calls)."""
+    """OpenAI tool definitions, handed to the template (and to the worker's tool parser)."""
     chat_template: str | None = None
     """A Jinja template instead of the model's own."""
     chat_template_kwargs: dict[str, Any] = {}
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tool_choice: str | dict[str, Any] | None = None
+    """vLLM's: "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.
+    None (absent): "auto" on a worker started with --enable-auto-tool-choice, else "none"."""
+    parallel_tool_calls: bool | None = True
+    """False: at most one tool call per sample (constrained and cut as vLLM does)."""
+    reasoning_effort: str | None = None
+    """vLLM's: handed to the template (and `enable_thinking` = effort != "none")."""
 
 
 class WorkItem(msgspec.Struct, **_WIRE):
@@ -267,6 +274,13 @@ class Sample(msgspec.Struct, **_WIRE):
     """...and of each top-N entry, parallel to `top_ids`."""
     token_ranks: bytes = b""
     """int32 rank of each token among all (1 is the best); filled for prompt scores only."""
+    parsed: bool = False
+    """A chat sample the worker's vLLM parsers read (--tool-call-parser / --reasoning-parser):
+    then `content`, `reasoning` and `tool_calls` are vLLM's message fields, `text` stays raw."""
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] = []
+    """OpenAI tool calls: {"id", "type": "function", "function": {"name", "arguments"}}."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -475,6 +489,10 @@ def validate_chat(chat: Chat, field: str = "chat") -> None:
             raise InvalidInput(f"{field}.messages[{i}].role", "every message needs a string `role`")
     if chat.tools is not None and len(chat.tools) > MAX_CHAT_TOOLS:
         raise InvalidInput(f"{field}.tools", f"has {len(chat.tools)} tools; the limit is {MAX_CHAT_TOOLS}")
+    if chat.tool_choice is not None and not isinstance(chat.tool_choice, dict) and \
+            chat.tool_choice not in ("none", "auto", "required"):
+        raise InvalidInput(f"{field}.tool_choice", f'is {chat.tool_choice!r}: "none", "auto", "required" '
+                                                   'or {"type": "function", "function": {"name": ...}}')
     if chat.add_generation_prompt and chat.continue_final_message:
         raise InvalidInput(f"{field}.continue_final_message",
                            "excludes add_generation_prompt (set add_generation_prompt to false)")

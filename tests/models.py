@@ -95,3 +95,87 @@ def make_lora(base: Path, out: Path, *, seed: int, r: int = 8, targets=("q_proj"
                 param.normal_(std=0.5)
     model.save_pretrained(out)
     return model.merge_and_unload().eval()
+
+
+# --- a scripted model: its weights spell fixed tool calls -----------------------------------------
+
+# Each chain starts at a prompt's last token and follows `SCRIPTS[start]` token by token, then EOS.
+# Every token is the piece of one script only (a token has one successor in a first-order chain).
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+SCRIPTS = {
+    # two hermes calls (parallel), after a user turn
+    "<|assistant|>": ["<tool_call>", '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                      "</tool_call>", "\n<tool_call>",
+                      '{"name": "get_weather", "arguments": {"city": "Tokyo"}}', "</tool_call>\n"],
+    # the final answer, after tool results
+    "<|after_tool|>": ["It is", " sunny in", " both cities."],
+    # a hermes call whose JSON is broken: the parser cannot read it
+    "<|broken|>": ['<tool_call>{"name": "get_weather", "arguments": {"city": "Par</tool_call>'],
+    # a pythonic call (vLLM's `pythonic` parser)
+    "<|pythonic|>": ["[get_weather(", "city='Paris'", ")]"],
+}
+TOOL_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", *SCRIPTS]
+TOOL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>{\"name\": \"{{ tc.function.name }}\", "
+    "\"arguments\": {{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}"
+    "{%- elif m.content is string %}{{ m.content }}{% endif %}"
+    "{%- if not (loop.last and m.role == 'assistant' and not add_generation_prompt) %}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{%- if messages[-1].role == 'tool' %}<|after_tool|>{% else %}<|assistant|>{% endif %}{% endif %}"
+)
+
+
+def make_tool_model(path: Path) -> Path:
+    """A Llama whose argmax chain spells `SCRIPTS`, with a byte-level BPE tokenizer trained here.
+
+    Attention and MLP outputs are zero, so each position's logits depend on its own token only:
+    embeddings are one-hot, and lm_head maps each script token to its successor (logit sqrt(H))
+    and every token to EOS by default (logit sqrt(H)/2). The generation prompt ends with
+    <|assistant|>, or <|after_tool|> after tool results, so a tool loop calls, then answers; a
+    prompt ending with <|broken|> or <|pythonic|> (continue_final_message) runs those scripts.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    corpus = [" ".join(piece for pieces in SCRIPTS.values() for piece in pieces),
+              '{"type": "object", "properties": {"city": {"type": "string"}}} The weather in a city.']
+    core.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=360, special_tokens=TOOL_SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    pieces = [p for ps in SCRIPTS.values() for p in ps]
+    core.add_tokens([AddedToken(p, normalized=False, special=False) for p in pieces])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", chat_template=TOOL_TEMPLATE)
+    tokenizer.save_pretrained(path)
+    vocab = len(tokenizer)
+    hidden = -(-vocab // 64) * 64
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=hidden // 64, num_key_value_heads=1,
+                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab, hidden))
+        head = torch.zeros(vocab, hidden)
+        head[eos, :vocab] = 0.5
+        for start, chain in SCRIPTS.items():
+            ids = tokenizer.convert_tokens_to_ids([start, *chain])
+            for a, b in zip(ids, ids[1:]):
+                head[b, a] = 1.0
+            head[eos, ids[-1]] = 1.0
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(path)
+    return path

@@ -91,7 +91,13 @@ async def test_a_malformed_tool_fails_its_group_naming_the_field(tools, field):
 
 @pytest.mark.parametrize("body, field", [
     ({"stream": True}, "stream"),
-    ({"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    # vLLM's own up-front refusals (tests/test_tools_vllm.py checks vLLM's server refuses them too).
+    ({"tools": []}, "tools"),
+    ({"n": 2, "temperature": 0}, "n"),
+    ({"tool_choice": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"echo": True}, "echo"),

@@ -38,17 +38,17 @@ def chat_model(tmp_path_factory) -> Path:
 class VLLMServer:
     """`python -m vllm.entrypoints.openai.api_server` on a free loopback port, in its own session."""
 
-    def __init__(self, model: Path, log_path: Path):
+    def __init__(self, model: Path, log_path: Path, *args: str, max_model_len: int = 256):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
+             "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(max_model_len),
              "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
              # rollq's workers accept a request's chat_template; vLLM only with this flag.
-             "--trust-request-chat-template"],
+             "--trust-request-chat-template", *args],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"})
 
@@ -349,3 +349,20 @@ async def test_a_model_without_a_chat_template_fails_chats_and_the_worker_goes_o
     assert failed.reason.startswith("cannot render the chat: ") and "chat template" in failed.reason, \
         failed.reason
     assert fine.job_id == text and fine.status == "ok" and len(fine.samples[0].token_ids) == 4
+
+
+async def test_tools_without_a_tool_choice_on_a_worker_without_parser_flags_fail_as_vllms(
+        make_gateway, chat_worker, vllm_server, policy):
+    """vLLM's default with tools is "auto", which a server without --enable-auto-tool-choice
+    refuses: so does rollq (it used to answer 200 with the tool-call markup as content)."""
+    gw = await make_gateway()
+    theirs_url = await vllm_server.ready()
+    body = BASE | dict(tools=TOOLS)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{theirs_url}/v1/chat/completions", json=body | {"model": "tiny"}) as r:
+            theirs = (r.status, (await r.json())["error"]["message"])
+        async with http.post(f"{gw.url}/v1/chat/completions", json=body | {"model": policy},
+                             headers=gw.headers()) as r:
+            ours = (r.status, (await r.json())["error"]["message"])
+    assert theirs[0] == ours[0] == 400 and theirs[1].startswith('"auto" tool choice requires')
+    assert ours[1].endswith(theirs[1]), ours

@@ -1,28 +1,41 @@
-"""Conversations -> prompt token ids on the worker, with vLLM's own chat rendering.
+"""Conversations -> prompt token ids, and sampled text -> tool calls, on the worker, with vLLM's
+own chat rendering and parsers.
 
 vLLM's OpenAI server renders a `/v1/chat/completions` request with `OnlineRenderer.render_chat`
-(tool-choice checks, chat-template kwargs resolution, `apply_chat_template`, tokenization). This
-module calls that same function on the worker's engine (its model config and renderer), so a
-conversation sent through rollq becomes exactly the token ids vLLM's server would generate from.
+(tool-choice checks, chat-template kwargs resolution, `apply_chat_template`, tokenization, and the
+parser's `adjust_request`, which constrains "required"/named tool calls by structured outputs).
+This module calls that same function on the worker's engine (its model config and renderer), so a
+conversation sent through rollq becomes exactly the token ids and constraints vLLM's server would
+generate from; after generation it reads each sample with the same `Parser` and the same rules as
+vLLM's `chat_completion_full_generator`. Parsing lives here, not at the gateway, so that every
+sample of `submit_chat` carries its tool calls beside its token ids (the gateway has no tokenizer).
 Everything that goes wrong while rendering is the group's fault, never the engine's: GroupError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from rollq.engine.base import GroupError
-from rollq.protocol import Chat, InvalidInput
+from rollq.protocol import Chat, InvalidInput, Sample
+
+log = logging.getLogger("rollq.engine.chat")
 
 
 class ChatRenderer:
-    """One per engine; vLLM's OnlineRenderer is built on first use (it compiles templates lazily)."""
+    """One per engine; vLLM's OnlineRenderer is built on first use (it compiles templates lazily).
+    `auto_tools`, `tool_parser`, `reasoning_parser`: `vllm serve`'s flags of the same names."""
 
-    def __init__(self, llm: Any, has_tokenizer: bool):
+    def __init__(self, llm: Any, has_tokenizer: bool, *, auto_tools: bool = False,
+                 tool_parser: str | None = None, reasoning_parser: str | None = None):
         self._llm = llm
         self._has_tokenizer = has_tokenizer
         self._online: Any = None
+        self.auto_tools = auto_tools
+        self._parsers = dict(enable_auto_tools=auto_tools, tool_parser=tool_parser,
+                             reasoning_parser=reasoning_parser)
 
     def _renderer(self) -> Any:
         if self._online is None:
@@ -33,11 +46,12 @@ class ChatRenderer:
             self._online = OnlineRenderer(
                 model_config=self._llm.model_config, renderer=self._llm.renderer,
                 request_logger=None, chat_template=None, chat_template_content_format="auto",
-                trust_request_chat_template=True)
+                trust_request_chat_template=True, **self._parsers)
         return self._online
 
-    async def render(self, chat: Chat, max_tokens: int) -> Any:
-        """The engine input (prompt token ids) of `chat`, or GroupError with vLLM's reason."""
+    async def render(self, chat: Chat, max_tokens: int) -> tuple[Any, Any]:
+        """The engine input (prompt token ids) of `chat` and vLLM's request as its parser adjusted
+        it (constraints, `skip_special_tokens`), or GroupError with vLLM's reason."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         if not self._has_tokenizer:
@@ -48,7 +62,7 @@ class ChatRenderer:
         except InvalidInput as e:
             raise GroupError(f"invalid chat: {e}") from None
         try:
-            request = _vllm_request(chat, max_tokens)
+            request = _vllm_request(chat, max_tokens, self.auto_tools)
             rendered = await self._renderer().render_chat(request)
         except asyncio.CancelledError:
             raise
@@ -57,7 +71,61 @@ class ChatRenderer:
         if isinstance(rendered, ErrorResponse):
             raise GroupError(f"cannot render the chat: {rendered.error.message}")
         _, (engine_input,) = rendered
-        return engine_input
+        return engine_input, request  # render_chat adjusts the request in place
+
+    def constrain(self, params: Any, request: Any) -> None:
+        """What vLLM's `to_sampling_params` takes from the adjusted request: the tool-call
+        constraint (which overrides the group's own regex, as vLLM's overrides response_format)
+        and whether special tokens stay in the text (hermes keeps them: its tags may be special)."""
+        if request.structured_outputs is not None:
+            params.structured_outputs = request.structured_outputs
+        params.skip_special_tokens = request.skip_special_tokens
+
+    def parse(self, request: Any, prompt_ids: list[int], samples: list[Sample]) -> list[Sample]:
+        """Each sample's vLLM message fields (content, reasoning, tool_calls), as vLLM's server
+        fills them; samples unchanged when the worker has no parser."""
+        import msgspec
+
+        parser_cls = self._renderer().parser
+        if parser_cls is None:
+            return samples
+        kwargs = self._renderer().effective_chat_template_kwargs(request)
+        out = []
+        for sample in samples:
+            # Parsers keep state: one per sample, as vLLM's server makes one per choice.
+            parser = parser_cls(self._llm.renderer.tokenizer, request.tools, chat_template_kwargs=kwargs,
+                                model_config=self._llm.model_config)
+            parser.set_prompt_token_ids(prompt_ids)
+            content, reasoning, calls = _message(parser, request, sample, self.auto_tools)
+            out.append(msgspec.structs.replace(sample, parsed=True, content=content, reasoning=reasoning,
+                                               tool_calls=calls))
+        return out
+
+
+def _message(parser: Any, request: Any, sample: Sample, auto_tools: bool):
+    """vLLM's `chat_completion_full_generator` message branches, for one sample."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionNamedToolChoiceParam
+    from vllm.renderers.chat_utils import make_tool_call_id
+
+    try:
+        reasoning, content, calls = parser.parse(sample.text, request, enable_auto_tools=auto_tools,
+                                                 model_output_token_ids=sample.token_ids)
+    except Exception as e:  # a parser's bug must not cost the group: the text comes back as text
+        log.warning("the tool/reasoning parser failed on a sample (%s: %s); returned as text",
+                    type(e).__name__, e)
+        reasoning, content, calls = None, sample.text, []
+    named = type(request.tool_choice) is ChatCompletionNamedToolChoiceParam
+    required = request.tool_choice == "required"
+    has_tool_parser = parser.tool_parser is not None
+    if named or required:
+        content = content or ""
+    elif not (auto_tools and has_tool_parser and request.tools and request.tool_choice == "auto"):
+        calls = []
+    calls = [dict(id=c.id or make_tool_call_id(), type="function",
+                  function=dict(name=c.name, arguments=c.arguments)) for c in calls or []]
+    if request.parallel_tool_calls is False:  # vLLM's maybe_filter_parallel_tool_calls
+        calls = calls[:1]
+    return content, reasoning, calls
 
 
 def check_tools(tools: Any, field: str = "tools") -> None:
@@ -85,16 +153,25 @@ def check_tools(tools: Any, field: str = "tools") -> None:
             raise InvalidInput(f"{at}.function.parameters", "must be an object (a JSON schema)")
 
 
-def _vllm_request(chat: Chat, max_tokens: int) -> Any:
-    """Our wire conversation -> vLLM's ChatCompletionRequest (pydantic validates the messages).
+def _vllm_request(chat: Chat, max_tokens: int, auto_tools: bool) -> Any:
+    """Our wire conversation -> vLLM's ChatCompletionRequest (pydantic validates the messages and
+    the tool choice, with vLLM's messages).
 
-    `tool_choice` is "none": rollq returns text and never parses tool calls, and vLLM then still
-    hands `tools` to the template (unless started with --exclude-tools-when-tool-choice-none).
+    An absent `tool_choice` with tools is vLLM's default "auto" on a worker that parses tool calls,
+    else "none" (text, the tools still handed to the template), so `submit_chat` with tools works on
+    any worker; the gateway sends what its caller sent, with vLLM's default, so it answers as vLLM.
     """
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    given: dict[str, Any] = dict(tools=chat.tools, tool_choice="none") if chat.tools else {}
+    given: dict[str, Any] = dict(tools=chat.tools) if chat.tools is not None else {}
+    if chat.tool_choice is not None:
+        given["tool_choice"] = chat.tool_choice
+    elif chat.tools:
+        given["tool_choice"] = "auto" if auto_tools else "none"
+    if chat.reasoning_effort is not None:
+        given["reasoning_effort"] = chat.reasoning_effort
     return ChatCompletionRequest(
+        parallel_tool_calls=chat.parallel_tool_calls,
         messages=chat.messages, chat_template=chat.chat_template,
         chat_template_kwargs=chat.chat_template_kwargs or None,
         add_generation_prompt=chat.add_generation_prompt,

@@ -150,7 +150,8 @@ def _prompt_scores(output: Any, top_n: int | None, tokenizer: Any | None) -> Sam
 
 class VLLMEngine:
     def __init__(self, llm: Any, *, version: int = 0, has_tokenizer: bool = False,
-                 weights_path: str = ""):
+                 weights_path: str = "", parsers: dict[str, Any] | None = None):
+        """`parsers`: ChatRenderer's `auto_tools`, `tool_parser`, `reasoning_parser`."""
         self.llm = llm
         self._version = version
         self.has_tokenizer = has_tokenizer
@@ -167,7 +168,7 @@ class VLLMEngine:
         self._no_adds.set()
         self._dead = ""
         """Why the engine can serve no more (a failed load whose fallback failed too)."""
-        self._chat = ChatRenderer(llm, has_tokenizer)
+        self._chat = ChatRenderer(llm, has_tokenizer, **(parsers or {}))
         self._no_adapter: Any = None
         """CPU build with adapters: the zero adapter the full weights' requests carry (engine/lora.py)."""
         self._no_adapter_dir: tempfile.TemporaryDirectory | None = None
@@ -187,7 +188,9 @@ class VLLMEngine:
             kwargs["max_loras"] += 1
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         engine = cls(llm, version=version, has_tokenizer=not kwargs["skip_tokenizer_init"],
-                     weights_path=settings.model)
+                     weights_path=settings.model, parsers=dict(
+                         auto_tools=settings.enable_auto_tool_choice, tool_parser=settings.tool_call_parser,
+                         reasoning_parser=settings.reasoning_parser))
         try:
             if zero_adapter:
                 await engine._add_no_adapter(settings.model)
@@ -290,9 +293,12 @@ class VLLMEngine:
         params = sampling_params(item.sampling, item.n)
         if (item.sampling.return_text or item.sampling.stop) and not self.has_tokenizer:
             raise GroupError("text or stop strings asked for, but this worker's model has no tokenizer")
+        chat_request = None
         if item.chat is not None:
             # Convert Chat (+ images) --> prompt token ids, as vLLM's server renders a chat request.
-            prompt: Any = await self._chat.render(await self.images.chat(item), item.sampling.max_tokens)
+            prompt, chat_request = await self._chat.render(await self.images.chat(item),
+                                                           item.sampling.max_tokens)
+            self._chat.constrain(params, chat_request)
         elif item.text:
             if not self.has_tokenizer:
                 raise GroupError("text prompt, but this worker's model has no tokenizer: send token ids")
@@ -322,7 +328,10 @@ class VLLMEngine:
             epoch = min(e for _, _, e in outputs)
             for i, (completion, v, _) in zip(cut, outputs):
                 states[i].extend(completion, v, item.sampling.logprobs)
-        return Generated([st.to_sample(version) for st in states], pack_tokens(prompt_ids),
+        samples = [st.to_sample(version) for st in states]
+        if chat_request is not None:  # Convert sampled text --> vLLM's tool calls and reasoning.
+            samples = self._chat.parse(chat_request, prompt_ids, samples)
+        return Generated(samples, pack_tokens(prompt_ids),
                          _prompt_scores(final, item.sampling.prompt_logprobs,
                                         self.llm.tokenizer if params.detokenize else None),
                          image_tokens(prompt))

@@ -4,8 +4,10 @@ A request becomes one job of one group (the conversation, `n` samples), submitte
 `RolloutClient.submit_chat` as the caller's completions trainer and awaited like
 `/v1/completions` (`api.run_job`). The worker renders the conversation with its model's chat
 template through vLLM's own renderer, so the gateway needs no tokenizer: token strings, text and
-prompt token ids all come back from the worker. The response has the keys of vLLM's
-`ChatCompletionResponse` plus rollq's `policy_versions` per choice.
+prompt token ids all come back from the worker, and so do tool calls and reasoning (the
+worker runs vLLM's parsers: `rollq worker --enable-auto-tool-choice --tool-call-parser NAME`).
+The response has the keys of vLLM's `ChatCompletionResponse` plus rollq's `policy_versions` per
+choice.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from rollq.gateway.state import GATEWAY
 from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling
 
 
+_GREEDY = 1e-5
+"""vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling."""
+
+
 class ChatCompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=True):
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
@@ -36,7 +42,12 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=T
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    """Only "none" (or absent): rollq returns text and does not parse tool calls."""
+    """vLLM's; absent with tools: "auto", as vLLM (an explicit null counts as absent)."""
+    parallel_tool_calls: bool | None = True
+    reasoning_effort: str | None = None
+    metadata: dict[str, Any] | None = None
+    """Accepted and unused, as vLLM's server (OpenAI stores it with `store`)."""
+    store: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -46,14 +57,14 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=T
 
 def sampling_of(req: ChatCompletionRequest) -> Sampling:
     unsupported = dict(stream=req.stream, echo=req.echo, logit_bias=req.logit_bias,
-                       response_format=req.response_format,
-                       tool_choice=req.tool_choice not in (None, "none") and req.tool_choice)
+                       response_format=req.response_format)
     for name, value in unsupported.items():
         if value:
-            hint = ' (only "none": rollq does not parse tool calls)' if name == "tool_choice" else ""
-            raise InvalidInput(name, f"is not supported by rollq's chat completions{hint}")
+            raise InvalidInput(name, "is not supported by rollq's chat completions")
     if req.top_logprobs and not req.logprobs:
         raise InvalidInput("top_logprobs", "needs logprobs=true")
+    if req.n > 1 and req.temperature is not None and req.temperature < _GREEDY:
+        raise InvalidInput("n", f"n must be 1 when using greedy sampling, got {req.n}.")  # vLLM's words
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return Sampling(**shared_sampling(req, max_tokens), logprobs=req.top_logprobs or 0, return_text=True)
 
@@ -65,6 +76,7 @@ async def chat_completions(request: web.Request) -> web.Response:
     policy = allowed(who, req.model)
     sampling = sampling_of(req)
     check_tools(req.tools)  # the workers check too; here it is a 400 before anything is queued
+    tool_choice = check_tool_choice(req.tools, req.tool_choice)
     if not gw.settings.trust_request_chat_template and (
             req.chat_template is not None or "chat_template" in (req.chat_template_kwargs or {})):
         # As vLLM's server: a caller's template would run on every worker that renders it.
@@ -75,8 +87,9 @@ async def chat_completions(request: web.Request) -> web.Response:
         return client.submit_chat(
             [req.messages], req.n, sampling, tools=req.tools, chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, job_id=job_id, deadline_s=req.timeout_s,
-            wait=False, **window)
+            continue_final_message=req.continue_final_message, tool_choice=tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls, reasoning_effort=req.reasoning_effort,
+            job_id=job_id, deadline_s=req.timeout_s, wait=False, **window)
 
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
@@ -85,11 +98,64 @@ async def chat_completions(request: web.Request) -> web.Response:
         field = e.field.replace("conversations[0].", "").replace("conversations[0]", "messages")
         field = "messages" if field == "chat" else field
         raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
-    body = response(req, job_id, result)
+    body = response(req, job_id, result, tool_choice)
     return web.Response(body=msgspec.json.encode(body), content_type=JSON)
 
 
-def response(req: ChatCompletionRequest, job_id: str, r: GroupResult) -> dict:
+def check_tool_choice(tools: list | None, choice: str | dict | None) -> str | dict | None:
+    """vLLM's `check_tool_usage`, with its words: the tool choice to render with."""
+    if tools == []:
+        raise InvalidInput("tools", "`tools` must not be an empty array. Either provide at least one "
+                                    "tool or omit the field entirely.")
+    if choice is None:
+        return "auto" if tools else None
+    if choice == "none":
+        return choice
+    if not tools:
+        raise InvalidInput("tool_choice", "When using `tool_choice`, `tools` must be set.")
+    if isinstance(choice, str):
+        if choice not in ("auto", "required"):
+            raise InvalidInput("tool_choice", f"Invalid value for `tool_choice`: {choice}! Only named "
+                                              'tools, "none", "auto" or "required" are supported.')
+        return choice
+    usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise InvalidInput("tool_choice.function",
+                           f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}")
+    if "name" not in function:
+        raise InvalidInput("tool_choice.function.name",
+                           f"Expected field `name` in `function` in `tool_choice`! {usage}")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidInput("tool_choice.function.name",
+                           f"Invalid `name` in `function`: `{name}` in `tool_choice`! {usage}")
+    if all(t.get("function", {}).get("name") != name for t in tools):
+        raise InvalidInput("tool_choice", "The tool specified in `tool_choice` does not match any of "
+                                          "the specified `tools`")
+    return choice
+
+
+def _message(sample: Sample) -> dict:
+    content = sample.content if sample.parsed else sample.text
+    message = dict(role="assistant", content=content, refusal=None, annotations=None, audio=None,
+                   function_call=None)
+    if sample.tool_calls:  # vLLM leaves the key out when there are none
+        message["tool_calls"] = sample.tool_calls
+    message["reasoning"] = sample.reasoning
+    return message
+
+
+def _finish_reason(sample: Sample, tool_choice: str | dict | None) -> str:
+    """vLLM's: "tool_calls" when "auto" called a tool, or for "required" that stopped."""
+    reason = sample.finish_reason or "stop"
+    if (tool_choice == "auto" and sample.tool_calls) or (tool_choice == "required" and reason == "stop"):
+        return "tool_calls"
+    return reason
+
+
+def response(req: ChatCompletionRequest, job_id: str, r: GroupResult,
+             tool_choice: str | dict | None = None) -> dict:
     if r.status != "ok":
         status = 504 if r.status == "expired" else 400 if r.status == "failed" else 409
         raise ApiError(status, f"{r.status}: {r.reason}", "messages")
@@ -98,11 +164,10 @@ def response(req: ChatCompletionRequest, job_id: str, r: GroupResult) -> dict:
     for index, sample in enumerate(r.samples):
         choices.append(dict(
             index=index,
-            message=dict(role="assistant", content=sample.text, refusal=None, annotations=None, audio=None,
-                         function_call=None, reasoning=None),
+            message=_message(sample),
             logprobs=_logprobs(sample, req.top_logprobs or 0, req.return_tokens_as_token_ids)
             if req.logprobs else None,
-            finish_reason=sample.finish_reason or "stop", stop_reason=sample.stop_reason,
+            finish_reason=_finish_reason(sample, tool_choice), stop_reason=sample.stop_reason,
             token_ids=sample.token_ids if req.return_token_ids else None, routed_experts=None,
             policy_versions=[list(v) for v in sample.versions]))
     completion_tokens = sum(len(s.tokens) // 4 for s in r.samples)
