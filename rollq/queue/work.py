@@ -50,6 +50,11 @@ class Claimed:
     last_error: str = ""
     n: int = 1
     """Samples the group asks for (1 until read from the payload)."""
+    settling: bool = False
+    """A finish or a hand-back of it was sent: a renewal that finds it gone from this worker's
+    pending list raced that call, whose own reply says whether it was still ours."""
+    taken_over: bool = False
+    """A renewal found it owned by another consumer (and said so)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -371,6 +376,8 @@ class WorkQueue:
         if not finishing:
             return []
         waiter = _Waiter(asyncio.get_running_loop().create_future(), [None] * len(finishing))
+        for c, *_ in finishing:
+            c.settling = True
         self._finishing.extend((*self._finish_call(c, status, payload, dead_reason), waiter, i)
                                for i, (c, status, payload, dead_reason) in enumerate(finishing))
         if self._finisher is None or self._finisher.done():
@@ -437,6 +444,7 @@ class WorkQueue:
         released = 0
         by_stream: dict[str, list[str]] = {}
         for c in items:
+            c.settling = True
             by_stream.setdefault(c.stream, []).append(c.entry_id)
         for stream, ids in by_stream.items():
             released += await self.scripts.release(

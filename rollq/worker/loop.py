@@ -40,6 +40,8 @@ log = logging.getLogger("rollq.worker")
 class _Held:
     claimed: Claimed
     task: asyncio.Task
+    batch: bool = False
+    """The task serves other groups too (`_run_batch`): it is never cancelled for this one."""
 
 
 class Worker:
@@ -257,7 +259,7 @@ class Worker:
         if at_once:
             task = asyncio.create_task(self._run_batch(at_once))
             for c, _ in at_once:
-                self._held[c.key] = _Held(c, task)
+                self._held[c.key] = _Held(c, task, batch=True)
 
     def _at_once(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> bool:
         """May this group be served in one task with others of its claim? When the engine
@@ -364,13 +366,23 @@ class Worker:
         if not held:
             return
         for c in await self.queue.renew([h.claimed for h in held]):
+            h = self._held.get(c.key)
+            # Settling: its finish or hand-back ran first (the renewal raced it), and that call's
+            # reply tells whether it was still ours. Not held: it ended while we renewed.
+            if c.settling or h is None or h.claimed is not c:
+                continue
             log.warning("lease of group %s/%s was taken over; dropping it", c.job_id, c.group_index)
-            lost = self._held.pop(c.key, None)
-            if lost:
-                lost.task.cancel()
+            c.taken_over = True
+            if h.batch:
+                continue  # the batch's finish is fenced per entry: it writes nothing for this one
+            del self._held[c.key]
+            h.task.cancel()
         states = await self.queue.job_states([h.claimed for h in held])
         for h in held:
-            if states.get(h.claimed.key) is JobState.CANCELLED and self._held.get(h.claimed.key) is h:
+            # A batch's groups were all generated at once, before the cancellation was seen:
+            # the batch writes their results (cancelling it would strand its other jobs' groups).
+            if (states.get(h.claimed.key) is JobState.CANCELLED and not h.batch
+                    and self._held.get(h.claimed.key) is h):
                 h.task.cancel()
                 await asyncio.gather(h.task, return_exceptions=True)
                 c = h.claimed
