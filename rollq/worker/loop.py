@@ -35,6 +35,11 @@ from rollq.worker.serving import GroupServer, cancelled, decode
 
 log = logging.getLogger("rollq.worker")
 
+STREAMS_REFRESH_S = 0.1
+"""Most time between two readings of the streams to claim from (at most `poll_s`): a trainer that
+went idle left the trainers set (`WorkQueue.prune_trainers`), and its next submit must be seen
+as soon as a blocked read would have seen it."""
+
 
 @dataclass
 class _Held:
@@ -190,11 +195,11 @@ class Worker:
             await _first(self._slot_freed.wait(), self._stopping.wait(), timeout=max(self.poll_s, 1.0))
             return True
         now = time.monotonic()
-        if now >= self._next_refresh:
+        if now >= self._next_refresh or self.queue.stale:
             self._streams = await self.queue.streams()
-            self._next_refresh = now + self.poll_s
+            self._next_refresh = now + min(self.poll_s, STREAMS_REFRESH_S)
         if not self._streams:
-            await _first(self._stopping.wait(), timeout=self.poll_s)
+            await _first(self._stopping.wait(), timeout=min(self.poll_s, STREAMS_REFRESH_S))
             return True
         claimed: list[Claimed] = []
         if now >= self._next_reclaim:
@@ -204,7 +209,7 @@ class Worker:
             # that cannot serve a group (a pinned worker, another version) took it back before
             # the worker that could every time, releasing it again: it waited 5 minutes.
             self._next_reclaim = now + min(self.lease_s / 2, 5.0) * random.uniform(0.5, 1.0)
-        block_ms = 0 if claimed else int(self.poll_s * 1000)
+        block_ms = 0 if claimed else int(min(self.poll_s, STREAMS_REFRESH_S) * 1000)
         claimed += await self.queue.claim(self._streams, free - len(claimed), block_ms)
         if self._stopping.is_set() and claimed:
             await self.queue.release(claimed)
