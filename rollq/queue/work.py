@@ -28,9 +28,9 @@ from rollq.queue.workers import WorkerState
 log = logging.getLogger("rollq.worker")
 
 ROUTE_IDLE_S = 60.0
-RESULTS_SWEEP_S = 60.0
-"""How often one worker drops the result streams nobody wrote to for `job_ttl_s`."""
 """A routed work stream nothing was routed to for this long, and empty, is forgotten."""
+RESULTS_SWEEP_S = 60.0
+"""How often each worker drops the result streams nobody wrote to for `job_ttl_s`."""
 FINISH_BATCH = 512
 """Most groups finished by one script call."""
 READ_AHEAD_JOBS = 8
