@@ -79,6 +79,13 @@ def _scale(r: dict) -> list[str]:
     flat = max(r["submit_growth"], r["finish_growth"]) <= 2
     rows += ["", f"Growth from the fewest to the most queued: submit {r['submit_growth']:.2f}x, claim + "
              f"finish {r['finish_growth']:.2f}x (target: within 2x: {_met(flat)})."]
+    if "trainers_seen" in r:  # (results written before issue 27 have no such part)
+        rows += ["", "Claim + finish per group (listing the streams each claim, as a worker does) after "
+                     "trainers came and went (each one group, served and acknowledged):", "",
+                 "| trainers seen | streams a claim reads | claim + finish per group |", "|---|---|---|"]
+        rows += [f"| {t['seen']:,} | {t['streams_listed']} | {t['claim_finish_us_per_group']:.0f} us |"
+                 for t in r["trainers_seen"]]
+        rows += ["", f"Growth: {r['seen_growth']:.2f}x (target <= 1.3: {_met(r['seen_growth'] <= 1.3)})."]
     return rows
 
 

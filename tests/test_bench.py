@@ -12,7 +12,7 @@ ROOT = Path(bench.__file__).resolve().parent.parent
 
 def test_quick_benchmarks_run_and_render_with_targets(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLQ_BENCH_RESULTS", str(tmp_path / "results"))
-    for args in (["wire.py"], ["scale.py", "--depths", "100,1000", "--groups", "300"]):
+    for args in (["wire.py"], ["scale.py", "--depths", "100,1000", "--groups", "300", "--seen", "1,30"]):
         subprocess.run([sys.executable, str(ROOT / "bench" / args[0]), *args[1:]], check=True,
                        cwd=ROOT, timeout=300, capture_output=True)
     assert {p.name for p in (tmp_path / "results").iterdir()} == {"wire.json", "scale.json"}

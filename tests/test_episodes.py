@@ -256,8 +256,8 @@ async def test_a_worker_claims_turns_routed_to_it_before_shared_groups(redis, po
     keys = Keys(policy)
     queue = WorkQueue(redis, keys, "w1", job_ttl_s=60)
     shared, mine = keys.work("t"), keys.routed_work("t", "w1", 0)
-    for stream in (shared, mine):
-        await queue.ensure_group(stream)
+    for stream in (shared, mine):  # (as enqueue makes them: a worker makes no stream)
+        await redis.xgroup_create(stream, Group.WORKERS, id="0", mkstream=True)
     for _ in range(4):  # every rotation of the round-robin
         await redis.xadd(shared, {"x": b"s"})
         await redis.xadd(mine, {"x": b"m"})

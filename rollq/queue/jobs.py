@@ -9,7 +9,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from rollq.protocol import QueueFull, decode_meta
-from rollq.queue.keys import Keys
+from rollq.queue.keys import Keys, base_trainer
 from rollq.queue.names import JobField, JobState, Reply
 from rollq.queue.scripts import Scripts, call_durably
 
@@ -63,14 +63,17 @@ async def enqueue(
     `stream`: a routed work stream of the trainer (`Keys.routed_work`) instead of its own.
     `routed`: the trainer's groups may sit on routed streams (episodes): its byte count is never
     reset for drift (an empty stream says nothing about the others).
-    Raises QueueFull when the trainer's outstanding groups plus these would pass its quota, or
+    Raises QueueFull when the trainer's outstanding groups plus these would pass its quota (a
+    derived id's: its base trainer's groups, its own and all its derived ids', against the
+    smaller of `quota` and the base's operator cap), or
     the bytes of its queued items plus these would pass `byte_quota`.
     """
+    base = base_trainer(trainer)
     reply = await call_durably(
         scripts.enqueue, redis,
         keys=[keys.job(trainer, job_id), stream or keys.work(trainer), keys.trainers,
-              keys.outstanding(trainer), keys.quota(trainer), keys.bounded_jobs,
-              keys.outstanding_bytes(trainer)],
+              keys.outstanding(trainer), keys.quota(base), keys.bounded_jobs,
+              keys.outstanding_bytes(trainer), keys.outstanding(base)],
         args=[trainer, quota, len(items), time.time(), deadline, meta, job_id, min_version,
               "" if max_version is None else max_version, byte_quota, "1" if routed else "0", *items],
     )
@@ -83,11 +86,13 @@ async def enqueue(
                         queued_bytes=queued, byte_limit=limit, job_bytes=size)
     if verdict == Reply.FULL:
         outstanding, limit = int(reply[1]), int(reply[2])
+        # Whose quota: the base trainer's, counting every id derived from it.
+        who = repr(base) if base == trainer else f"{base!r} (with {trainer!r})"
         if len(items) > limit:
-            message = (f"{len(items)} groups can never fit trainer {trainer!r}'s quota of {limit} "
+            message = (f"{len(items)} groups can never fit trainer {who}'s quota of {limit} "
                        "(the smaller of max_outstanding and the operator's cap); submit fewer")
         else:
-            message = (f"trainer {trainer!r} has {outstanding} outstanding groups; {len(items)} more "
+            message = (f"trainer {who} has {outstanding} outstanding groups; {len(items)} more "
                        f"would pass its quota of {limit} (results count until acknowledged)")
         raise QueueFull(message, outstanding=outstanding, limit=limit, groups=len(items))
     return Enqueued(created=verdict == Reply.OK)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollq.protocol import check_id
+from rollq.protocol import DERIVED_SEPARATOR, check_id
 
 PREFIX = "rollq"
 
@@ -42,7 +42,10 @@ class Keys:
         return f"{self._p}:done:{trainer}:{job_id}"
 
     def outstanding(self, trainer: str) -> str:
-        """Counter: groups submitted by a trainer whose result it has not acknowledged."""
+        """Counter: groups submitted by a trainer whose result it has not acknowledged. A
+        trainer's counter also counts the groups of every id derived from it (its episodes, the
+        gateway's completions for it: `base_trainer`): its quota and the operator's cap bound
+        them all. A derived id's own counter counts its own."""
         return f"{self._p}:outstanding:{trainer}"
 
     def outstanding_bytes(self, trainer: str) -> str:
@@ -53,12 +56,27 @@ class Keys:
 
     @property
     def trainers(self) -> str:
-        """Set of trainers that have a work stream."""
+        """Set of trainers that have something queued on their work stream (or had, until the
+        workers' next prune, `queue/prune.py`): the streams workers claim from. A trainer's next
+        submit adds it again."""
         return f"{self._p}:trainers"
 
+    @property
+    def result_streams(self) -> str:
+        """Sorted set result stream -> when a result was last written to it (unix s): results
+        nobody read for `job_ttl_s` after the last one are dropped (`results_expire.lua`)."""
+        return f"{self._p}:result-streams"
+
+    def trainer_of_results(self, result_stream: str) -> str:
+        prefix = f"{self._p}:res:"
+        if not result_stream.startswith(prefix):
+            raise ValueError(f"{result_stream!r} is not a result stream of policy {self.policy!r}")
+        return result_stream[len(prefix):]
+
     def quota(self, trainer: str) -> str:
-        """Server-side cap on a trainer's outstanding groups (optional, set by operators). One
-        key per trainer, so a trainer's ACL can reach its own cap and no one else's."""
+        """Server-side cap on a trainer's outstanding groups, its derived ids' included (optional,
+        set by operators on the base trainer). One key per trainer, so a trainer's ACL can reach
+        its own cap and no one else's."""
         return f"{self._p}:quota:{trainer}"
 
     @property
@@ -171,6 +189,12 @@ class Keys:
     def trainer_of(self, work_stream: str) -> str:
         """The trainer of a work stream, routed or not (ids cannot contain ':')."""
         return self.trainer_stream_rest(work_stream).split(":", 1)[0]
+
+
+def base_trainer(trainer: str) -> str:
+    """The trainer an id derived from it (`protocol.derived_trainer_id`: `trainer~purpose~owner`)
+    submits for; a chosen id is its own base. Quota and fair share are the base trainer's."""
+    return trainer.split(DERIVED_SEPARATOR, 1)[0]
 
 
 class _EveryPolicy(Keys):

@@ -25,7 +25,7 @@ from redis.exceptions import ResponseError
 
 from rollq.protocol import GroupResult, decode_result
 from rollq.queue.connection import NotReplicated, check_replicated, durability, queue_wait
-from rollq.queue.keys import Keys
+from rollq.queue.keys import Keys, base_trainer
 from rollq.queue.names import Group, ResultField
 from rollq.queue.scripts import Scripts, call_durably
 
@@ -43,7 +43,9 @@ class ResultReader:
         self.redis = redis
         self.scripts = scripts
         self.stream = keys.results(trainer)
-        self.outstanding = keys.outstanding(trainer)
+        # A derived id's results leave its base trainer's quota too (`Keys.outstanding`).
+        self.outstanding = list(dict.fromkeys([keys.outstanding(trainer),
+                                               keys.outstanding(base_trainer(trainer))]))
         self.consumer = consumer
         self._replaying = True
         self._cursor = "0"
@@ -183,7 +185,7 @@ class ResultReader:
             self._unhanded.pop(entry_id, None)
         acked = 0
         for i in range(0, len(entry_ids), ACK_CHUNK):
-            acked += await call_durably(self.scripts.ack, self.redis, keys=[self.stream, self.outstanding],
+            acked += await call_durably(self.scripts.ack, self.redis, keys=[self.stream, *self.outstanding],
                                         args=entry_ids[i:i + ACK_CHUNK])
         return acked
 

@@ -21,7 +21,7 @@ from rollq.queue.names import lua_preamble
 
 NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish", "pin",
          "retire", "episode_start", "episode_turn", "episode_apply", "episode_end", "route_prune",
-         "store_images")
+         "store_images", "trainer_prune", "results_expire")
 
 
 @cache
@@ -59,6 +59,8 @@ class Scripts:
     episode_end: AsyncScript
     route_prune: AsyncScript
     store_images: AsyncScript
+    trainer_prune: AsyncScript
+    results_expire: AsyncScript
 
 
 Call = tuple[AsyncScript, list, list]

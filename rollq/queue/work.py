@@ -19,8 +19,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from rollq.queue.connection import NotReplicated, check_replicated, durability
-from rollq.queue.keys import Keys
+from rollq.queue.keys import Keys, base_trainer
 from rollq.queue.names import Group, JobField, JobState, Reply, WorkField
+from rollq.queue.prune import PRUNE_EVERY_S, expire_results, prune_trainers
 from rollq.queue.scripts import Scripts, pipelined
 from rollq.queue.workers import WorkerState
 
@@ -28,6 +29,8 @@ log = logging.getLogger("rollq.worker")
 
 ROUTE_IDLE_S = 60.0
 """A routed work stream nothing was routed to for this long, and empty, is forgotten."""
+RESULTS_SWEEP_S = 60.0
+"""How often each worker drops the result streams nobody wrote to for `job_ttl_s`."""
 FINISH_BATCH = 512
 """Most groups finished by one script call."""
 READ_AHEAD_JOBS = 8
@@ -50,6 +53,11 @@ class Claimed:
     last_error: str = ""
     n: int = 1
     """Samples the group asks for (1 until read from the payload)."""
+    settling: bool = False
+    """A finish or a hand-back of it was sent: a renewal that finds it gone from this worker's
+    pending list raced that call, whose own reply says whether it was still ours."""
+    taken_over: bool = False
+    """A renewal found it owned by another consumer (and said so)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -74,11 +82,11 @@ def _lua_string(data: bytes) -> msgspec.Raw:
     return msgspec.Raw(head + data)
 
 
-def _finish_batch(errors: str, dead: str, batch: list) -> tuple[list[str], bytes]:
+def _finish_batch(errors: str, dead: str, written: str, batch: list) -> tuple[list[str], bytes]:
     """`finish.lua`'s keys and its one msgpack argument for a batch of (keys, args, ...): each key
     declared once (a cluster routes the call by them; they share the policy's slot), each entry
     naming its keys by their index in KEYS."""
-    keys, index, entries = [errors, dead], {}, []
+    keys, index, entries = [errors, dead, written], {}, []
     for entry_keys, entry_args, *_ in batch:
         refs = []
         for key in entry_keys:
@@ -149,7 +157,9 @@ class WorkQueue:
         self._by_stream: dict[str, tuple[str, str, str]] = {}
         self._by_job: dict[tuple[str, str], tuple[str, str]] = {}
         self._finisher: asyncio.Task | None = None
-        self._next_prune = 0.0
+        self._next_prune = self._next_trainer_prune = self._next_results_sweep = 0.0
+        self.stale = False
+        """A stream it read is gone (pruned): the caller should ask `streams` again."""
         self._recent_jobs: list[str] = []
         """The jobs of the last claim: the next claim reads their state along (`claimed_states`)."""
         self._claim_states: dict[str, JobState | None] = {}
@@ -158,8 +168,19 @@ class WorkQueue:
     async def streams(self) -> list[str]:
         """The streams to claim from: groups routed to this worker, then every trainer's own
         stream, then groups routed to a worker that is gone or serves another version now."""
+        self.stale = False
         trainers = sorted(t.decode() for t in await self.redis.smembers(self.keys.trainers))
+        if time.monotonic() >= self._next_trainer_prune:
+            self._next_trainer_prune = time.monotonic() + PRUNE_EVERY_S
+            gone = await prune_trainers(self.redis, self.scripts, self.keys, trainers)
+            trainers = [t for t in trainers if t not in gone]
+        if time.monotonic() >= self._next_results_sweep:
+            self._next_results_sweep = time.monotonic() + RESULTS_SWEEP_S
+            await expire_results(self.redis, self.scripts, self.keys, self.job_ttl_s)
         shared = [self.keys.work(t) for t in trainers]
+        if len(self._by_stream) > 4 * len(trainers) + 1024:  # caches of trainers long gone
+            self._by_stream.clear()
+            self._reclaim_cursor = {s: c for s, c in self._reclaim_cursor.items() if s in shared}
         routed = await self.redis.hgetall(self.keys.routed)
         if not routed:
             return shared
@@ -193,28 +214,30 @@ class WorkQueue:
                                            client=self.redis)
 
     async def ensure_group(self, stream: str) -> None:
+        """The workers' group on `stream`; a stream that is gone (pruned: nothing was queued
+        there) stays gone, and the caller is told to list the streams again (`stale`)."""
         try:
-            await self.redis.xgroup_create(stream, Group.WORKERS, id="0", mkstream=True)
+            await self.redis.xgroup_create(stream, Group.WORKERS, id="0")
         except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
+            if "requires the key to exist" in str(e):
+                self.stale = True
+            elif "BUSYGROUP" not in str(e):
                 raise
 
     async def claim(self, streams: list[str], free: int, block_ms: int = 0) -> list[Claimed]:
-        """New entries for up to `free` slots, shared round-robin among the trainers' streams.
+        """New entries for up to `free` slots, shared round-robin among the trainers.
 
-        Each stream gets an equal share (the remainder rotates), so one trainer's backlog cannot
-        starve another's; shares left unused by short streams go to the others.  When nothing is
-        waiting and `block_ms` is set, blocks until some stream has an entry; that read may
-        return one entry per stream, so up to len(streams) - 1 more than `free`.
+        Each trainer gets an equal share (the remainder rotates), so one trainer's backlog cannot
+        starve another's; a trainer is its base id with every id derived from it (its episodes,
+        the gateway's completions for it: `keys.base_trainer`), so making more `Episodes` objects
+        buys no more of a worker. Within a trainer's share its turns routed to this worker go
+        first (their prefix cache is here), then its other streams in equal parts. Shares left
+        unused by short streams go to the others. When nothing is waiting and `block_ms` is set,
+        blocks until some stream has an entry; that read may return one entry per stream, so up
+        to len(streams) - 1 more than `free`.
         """
-        # Turns routed to this worker first (their prefix cache is here): round-robin over
-        # all streams could take a shared group into the last free slot and leave a routed
-        # turn waiting while another worker idles.
         self._claim_states = {}
-        mine = [s for s in streams if (route := self.keys.route_of(s)) and route[1] == self.consumer]
-        got = await self._claim_shares(mine, free) if mine else []
-        if len(got) < free:
-            got += await self._claim_shares([s for s in streams if s not in mine], free - len(got))
+        got = await self._claim_shares(streams, free)
         if got or not block_ms or not streams:
             return got
         self._claim_states = {}  # read before the entries the blocking read may deliver
@@ -223,7 +246,7 @@ class WorkQueue:
                 Group.WORKERS, self.consumer, {s: ">" for s in streams}, count=1, block=block_ms
             )
         except ResponseError as e:
-            # UNBLOCKED: the stream was deleted while we blocked on it (a wiped Redis).
+            # UNBLOCKED: the stream was deleted while we blocked on it (pruned, a wiped Redis).
             if not str(e).startswith(("NOGROUP", "UNBLOCKED")):
                 raise
             for stream in streams:
@@ -233,17 +256,41 @@ class WorkQueue:
             got.extend(_entry(_text(stream), eid, fields) for eid, fields in entries)
         return got
 
+    def _family(self, stream: str) -> str:
+        return base_trainer(self._trainer_keys(stream)[0])
+
+    def _mine(self, stream: str) -> bool:
+        route = self.keys.route_of(stream)
+        return route is not None and route[1] == self.consumer
+
+    def _asks(self, families: dict[str, list[str]], want: int) -> list[tuple[str, int]]:
+        """(stream, count) for one round: `want` split equally among the trainers (rotating
+        start), each trainer's part among its routed-to-me streams if it has some, else among
+        its others."""
+        order = list(families)
+        start = self._rotation % len(order)
+        self._rotation += 1
+        order = order[start:] + order[:start]
+        asks = []
+        for i, family in enumerate(order):
+            share = want // len(order) + (i < want % len(order))
+            if not share:
+                continue
+            streams = [s for s in families[family] if self._mine(s)] or families[family]
+            first = self._rotation % len(streams)
+            streams = streams[first:] + streams[:first]
+            asks += [(s, c) for j, s in enumerate(streams)
+                     if (c := share // len(streams) + (j < share % len(streams)))]
+        return asks
+
     async def _claim_shares(self, streams: list[str], free: int) -> list[Claimed]:
-        """Up to `free` new entries, an equal share from each stream (see `claim`)."""
+        """Up to `free` new entries, an equal share from each trainer (see `claim`)."""
         got: list[Claimed] = []
-        candidates = list(streams)
-        while candidates and len(got) < free:
-            want = free - len(got)
-            start = self._rotation % len(candidates)
-            self._rotation += 1
-            order = candidates[start:] + candidates[:start]
-            shares = [want // len(order) + (i < want % len(order)) for i in range(len(order))]
-            asks = [(s, c) for s, c in zip(order, shares) if c > 0]
+        families: dict[str, list[str]] = {}
+        for stream in streams:
+            families.setdefault(self._family(stream), []).append(stream)
+        while families and len(got) < free:
+            asks = self._asks(families, free - len(got))
             async with self.redis.pipeline(transaction=False) as pipe:
                 for stream, count in asks:
                     pipe.xreadgroup(Group.WORKERS, self.consumer, {stream: ">"}, count=count)
@@ -255,17 +302,22 @@ class WorkQueue:
             # What does not parse is read again, and raises there as it always did.
             self._claim_states = {job: _job_state(state) for job, state in zip(self._recent_jobs, states)
                                   if state is None or state in _STATES}
-            candidates = []
+            # Ends: a stream asked for more than it had leaves; when every stream asked had
+            # its count, `free` is filled.
             for (stream, count), reply in zip(asks, replies):
                 if isinstance(reply, ResponseError):
                     if "NOGROUP" not in str(reply):
                         raise reply
                     await self.ensure_group(stream)
-                    continue
-                entries = reply[0][1] if reply else []
+                    entries = []
+                else:
+                    entries = reply[0][1] if reply else []
                 got.extend(_entry(stream, eid, fields) for eid, fields in entries)
-                if len(entries) == count:  # may hold more: eligible for unused shares
-                    candidates.append(stream)
+                if len(entries) < count:
+                    family = families[self._family(stream)]
+                    family.remove(stream)
+                    if not family:
+                        del families[self._family(stream)]
         return got
 
     async def reclaim(self, streams: list[str], lease_ms: int, count: int) -> list[Claimed]:
@@ -371,6 +423,8 @@ class WorkQueue:
         if not finishing:
             return []
         waiter = _Waiter(asyncio.get_running_loop().create_future(), [None] * len(finishing))
+        for c, *_ in finishing:
+            c.settling = True
         self._finishing.extend((*self._finish_call(c, status, payload, dead_reason), waiter, i)
                                for i, (c, status, payload, dead_reason) in enumerate(finishing))
         if self._finisher is None or self._finisher.done():
@@ -407,7 +461,8 @@ class WorkQueue:
         wanted = durability(self.redis)
         while self._finishing:
             batch, self._finishing = self._finishing[:FINISH_BATCH], self._finishing[FINISH_BATCH:]
-            keys, entries = _finish_batch(self.keys.errors, self.keys.dead, batch)
+            keys, entries = _finish_batch(self.keys.errors, self.keys.dead, self.keys.result_streams,
+                                          batch)
             args = [self.consumer, self.job_ttl_s, entries]
             try:
                 # One WAIT covers the whole batch.
@@ -437,6 +492,7 @@ class WorkQueue:
         released = 0
         by_stream: dict[str, list[str]] = {}
         for c in items:
+            c.settling = True
             by_stream.setdefault(c.stream, []).append(c.entry_id)
         for stream, ids in by_stream.items():
             released += await self.scripts.release(

@@ -35,11 +35,18 @@ from rollq.worker.serving import GroupServer, cancelled, decode
 
 log = logging.getLogger("rollq.worker")
 
+STREAMS_REFRESH_S = 0.1
+"""Most time between two readings of the streams to claim from (at most `poll_s`): a trainer that
+went idle left the trainers set (`WorkQueue.prune_trainers`), and its next submit must be seen
+as soon as a blocked read would have seen it."""
+
 
 @dataclass
 class _Held:
     claimed: Claimed
     task: asyncio.Task
+    batch: bool = False
+    """The task serves other groups too (`_run_batch`): it is never cancelled for this one."""
 
 
 class Worker:
@@ -188,11 +195,11 @@ class Worker:
             await _first(self._slot_freed.wait(), self._stopping.wait(), timeout=max(self.poll_s, 1.0))
             return True
         now = time.monotonic()
-        if now >= self._next_refresh:
+        if now >= self._next_refresh or self.queue.stale:
             self._streams = await self.queue.streams()
-            self._next_refresh = now + self.poll_s
+            self._next_refresh = now + min(self.poll_s, STREAMS_REFRESH_S)
         if not self._streams:
-            await _first(self._stopping.wait(), timeout=self.poll_s)
+            await _first(self._stopping.wait(), timeout=min(self.poll_s, STREAMS_REFRESH_S))
             return True
         claimed: list[Claimed] = []
         if now >= self._next_reclaim:
@@ -202,7 +209,7 @@ class Worker:
             # that cannot serve a group (a pinned worker, another version) took it back before
             # the worker that could every time, releasing it again: it waited 5 minutes.
             self._next_reclaim = now + min(self.lease_s / 2, 5.0) * random.uniform(0.5, 1.0)
-        block_ms = 0 if claimed else int(self.poll_s * 1000)
+        block_ms = 0 if claimed else int(min(self.poll_s, STREAMS_REFRESH_S) * 1000)
         claimed += await self.queue.claim(self._streams, free - len(claimed), block_ms)
         if self._stopping.is_set() and claimed:
             await self.queue.release(claimed)
@@ -257,7 +264,7 @@ class Worker:
         if at_once:
             task = asyncio.create_task(self._run_batch(at_once))
             for c, _ in at_once:
-                self._held[c.key] = _Held(c, task)
+                self._held[c.key] = _Held(c, task, batch=True)
 
     def _at_once(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> bool:
         """May this group be served in one task with others of its claim? When the engine
@@ -364,13 +371,23 @@ class Worker:
         if not held:
             return
         for c in await self.queue.renew([h.claimed for h in held]):
+            h = self._held.get(c.key)
+            # Settling: its finish or hand-back ran first (the renewal raced it), and that call's
+            # reply tells whether it was still ours. Not held: it ended while we renewed.
+            if c.settling or h is None or h.claimed is not c:
+                continue
             log.warning("lease of group %s/%s was taken over; dropping it", c.job_id, c.group_index)
-            lost = self._held.pop(c.key, None)
-            if lost:
-                lost.task.cancel()
+            c.taken_over = True
+            if h.batch:
+                continue  # the batch's finish is fenced per entry: it writes nothing for this one
+            del self._held[c.key]
+            h.task.cancel()
         states = await self.queue.job_states([h.claimed for h in held])
         for h in held:
-            if states.get(h.claimed.key) is JobState.CANCELLED and self._held.get(h.claimed.key) is h:
+            # A batch's groups were all generated at once, before the cancellation was seen:
+            # the batch writes their results (cancelling it would strand its other jobs' groups).
+            if (states.get(h.claimed.key) is JobState.CANCELLED and not h.batch
+                    and self._held.get(h.claimed.key) is h):
                 h.task.cancel()
                 await asyncio.gather(h.task, return_exceptions=True)
                 c = h.claimed

@@ -204,9 +204,13 @@ class GroupServer:
                 delay = min(delay * 2, 2.0)
         newest = max(self.versions.newest or 0, self.engine.version)
         for (c, result, dead_reason), outcome in zip(finishing, outcomes):
-            if outcome is not Reply.OK:
-                log.warning("group %s/%s: result not written (%s)", c.job_id, c.group_index, outcome)
-            else:
+            if outcome is Reply.LOST and not c.taken_over:  # (the renewal warned already)
+                log.warning("lease of group %s/%s was taken over; its result is dropped", c.job_id,
+                            c.group_index)
+            elif outcome is Reply.DUP:
+                log.warning("group %s/%s: result not written (it had one already)", c.job_id,
+                            c.group_index)
+            elif outcome is Reply.OK:
                 self.stats.result(result, newest, dead=bool(dead_reason))
 
     async def release_quietly(self, items: list[Claimed], *, error: str, refund: bool) -> int:

@@ -1,5 +1,6 @@
 -- A trainer acknowledges results it has consumed: they leave the stream and its quota.
--- KEYS: result stream, outstanding counter.  ARGV: id1..idN.  Returns the number acked.
+-- KEYS: result stream, outstanding counter[, the base trainer's outstanding counter (a derived
+-- id's results leave its base's quota too)].  ARGV: id1..idN.  Returns the number acked.
 -- Per id: only an entry XACK took out of the pending list is deleted and leaves the quota. An id
 -- that was never read (or was acked already) is left alone; deleting it would lose its result and
 -- leak its quota, since nobody could read it again to acknowledge it.
@@ -10,7 +11,9 @@ for _, id in ipairs(ARGV) do
     acked = acked + 1
   end
 end
-if acked > 0 and redis.call('DECRBY', KEYS[2], acked) < 0 then
-  redis.call('SET', KEYS[2], 0)
+for k = 2, #KEYS do
+  if acked > 0 and redis.call('DECRBY', KEYS[k], acked) < 0 then
+    redis.call('SET', KEYS[k], 0)
+  end
 end
 return acked

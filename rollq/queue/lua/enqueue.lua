@@ -1,6 +1,7 @@
 -- Submit one job: its record and one work entry per group, atomically, in one round trip.
--- KEYS: job, work stream, trainers set, outstanding counter, the trainer's cap, bounded-jobs set,
---       outstanding-bytes counter
+-- KEYS: job, work stream, trainers set, outstanding counter, the base trainer's cap, bounded-jobs
+--       set, outstanding-bytes counter, the base trainer's outstanding counter (KEYS[4] again for
+--       a trainer that is its own base: a derived id's groups count against its base's quota)
 -- ARGV: trainer, client quota, groups, created_at, deadline, meta, job_id, min_version,
 --       max_version ('' for none), byte quota, routed ('1': the trainer's groups may also sit on
 --       streams routed to workers), item1..itemN
@@ -17,7 +18,7 @@ local cap = redis.call('GET', KEYS[5])
 if cap and tonumber(cap) < quota then
   quota = tonumber(cap)
 end
-local outstanding = tonumber(redis.call('GET', KEYS[4]) or '0')
+local outstanding = tonumber(redis.call('GET', KEYS[8]) or '0')
 if outstanding + groups > quota then
   return {REPLY_FULL, outstanding, quota}
 end
@@ -50,6 +51,9 @@ for i = 1, groups do
   redis.call('XADD', KEYS[2], '*', WORK_JOB, ARGV[7], WORK_GROUP, i - 1, WORK_ITEM, ARGV[11 + i])
 end
 redis.call('INCRBY', KEYS[4], groups)
+if KEYS[8] ~= KEYS[4] then
+  redis.call('INCRBY', KEYS[8], groups)
+end
 redis.call('INCRBY', KEYS[7], nbytes)
 redis.call('SADD', KEYS[3], ARGV[1])
 return {REPLY_OK}

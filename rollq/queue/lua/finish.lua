@@ -1,6 +1,7 @@
 -- Write the one terminal result of each of a batch of work entries, each only if the caller still
 -- owns it (fencing per entry: one entry lost or already done changes nothing for the others).
--- KEYS: errors hash, dead-letter stream, then every other key the batch touches, each once (work
+-- KEYS: errors hash, dead-letter stream, result-streams sorted set (when each result stream was
+--       last written: their retention), then every other key the batch touches, each once (work
 --       streams, result streams, jobs, done hashes, outstanding-bytes counters)
 -- ARGV: consumer, job ttl (s), the entries as one msgpack array (Redis' cmsgpack unpacks it: one
 --       argument for the batch, where 12 per entry cost the worker more than the rest of a
@@ -73,7 +74,9 @@ for _, k in ipairs(order) do
   if r.n > 0 then
     local limit = 4 * r.n + 64
     local ok, pending = pcall(redis.call, 'XPENDING', KEYS[k], GROUP_WORKERS, r.lo, r.hi, limit, consumer)
-    if ok and #pending < limit then
+    if not ok and redis.call('EXISTS', KEYS[k]) == 0 then
+      owned[k] = {}  -- emptied and pruned (trainer_prune.lua): nothing there is ours
+    elseif ok and #pending < limit then
       local mine = {}
       for _, p in ipairs(pending) do
         mine[p[1]] = true
@@ -187,7 +190,7 @@ for _, record in ipairs(job_order) do
 end
 
 -- Pass 3.
-local replies = {}
+local replies, written = {}, {}
 for i, e in ipairs(entries) do
   local reply, record = settled[i], waiting[i]
   if record then
@@ -196,7 +199,12 @@ for i, e in ipairs(entries) do
   if reply == false then
     local ok, err = pcall(redis.call, 'XADD', KEYS[e[2]], '*', RESULT_RESULT, e[9])
     reply = ok and REPLY_OK or as_reply(ok, err)
+    written[e[2]] = ok or nil
   end
   replies[i] = reply
+end
+local now = redis.call('TIME')[1]
+for k in pairs(written) do
+  redis.call('ZADD', KEYS[3], now, KEYS[k])
 end
 return replies

@@ -3,6 +3,9 @@
 -- ARGV: consumer, error ('' for none), refund (1: this delivery does not count), id1..idN
 -- Returns the number released.
 local released = 0
+if redis.call('EXISTS', KEYS[1]) == 0 then  -- emptied and pruned (trainer_prune.lua): none is ours
+  return 0
+end
 for i = 4, #ARGV do
   local pending = redis.call('XPENDING', KEYS[1], GROUP_WORKERS, ARGV[i], ARGV[i], 1)
   if #pending == 1 and pending[1][2] == ARGV[1] then
