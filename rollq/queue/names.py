@@ -141,6 +141,8 @@ class EpisodeField(StrEnum):
     CREATED_AT = "created_at"
     REASON = "reason"
     """Why the last turn did not extend the episode ('' when it did)."""
+    SUBMITTER = "submitter"
+    """The (derived) trainer that queued the running turn: whose job record says it was queued."""
 
 
 STATUS_COUNTERS = tuple(JobField(s) for s in get_args(Status))

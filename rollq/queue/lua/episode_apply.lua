@@ -1,15 +1,18 @@
 -- End a running turn: append what it added to each branch (served) or record why not (failed),
 -- and make the branch idle again. Idempotent: a branch whose running turn is not this job
--- (applied already, or never this one's) is left alone.
+-- (applied already, or never this one's) is left alone; so is an ended branch (ended while the
+-- turn ran: end() returned its record, which does not change after).
 -- KEYS: episodes set, then the branch records.
 -- ARGV: turn job, then 8 per branch: served ('1' or '0'), version, worker,
 --       reason, tokens, mask, logprobs, token versions (the turn's new and sampled tokens).
--- Returns the number of branches changed.
+-- Returns the number of branches the turn extended or recorded as failed.
 local changed = 0
 for i = 2, #KEYS do
   local at = 1 + (i - 2) * 8
   local found = redis.call('HMGET', KEYS[i], EPISODE_TURN_JOB, EPISODE_STATE, EPISODE_TTL)
-  if found[1] == ARGV[1] then
+  if found[1] == ARGV[1] and found[2] == EPISODE_IS_ENDED then
+    redis.call('HSET', KEYS[i], EPISODE_TURN_JOB, '')
+  elseif found[1] == ARGV[1] then
     if ARGV[at + 1] == '1' then
       local now = redis.call('HMGET', KEYS[i], EPISODE_TOKENS, EPISODE_MASK, EPISODE_LOGPROBS,
         EPISODE_TOKEN_VERSIONS)
