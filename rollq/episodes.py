@@ -228,6 +228,11 @@ class Episodes:
 
     # --- one owner, one reader ---------------------------------------------------------------
 
+    async def open(self) -> None:
+        """Hold the owner and start applying its results (every call does this first; a gateway
+        calls it at start-up for the owners it had)."""
+        await self._ready()
+
     async def _ready(self) -> None:
         """Before any call: hold the owner lease, run the result router (which also applies the
         turns an earlier holder left running) and free the turns it left unsubmitted."""
