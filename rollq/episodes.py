@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import random
@@ -169,8 +170,15 @@ def _start_job(episode_id: str) -> str:
     return f"{episode_id}.t0{uuid.uuid4().hex[:12]}"
 
 
-def _turn_job(branch: str) -> str:
-    return f"{branch}.tn{uuid.uuid4().hex[:12]}"
+def _turn_job(branch: str, turn_id: str | None = None) -> str:
+    if turn_id is None:
+        return f"{branch}.tn{uuid.uuid4().hex[:12]}"
+    check_id("turn_id", turn_id)  # any length: hashed into the job id
+    return f"{branch}.tn{hashlib.sha256(turn_id.encode()).hexdigest()[:20]}"
+
+
+_TurnRecord = tuple[list[int], Sample, str, int]
+"""`EpisodeField.LAST_TURN`: (new tokens, sample, worker, version)."""
 
 
 def _job_episode(job_id: str) -> tuple[str, bool]:
@@ -343,13 +351,20 @@ class Episodes:
                                (lo, hi, staleness), deadline_s)
 
     async def turn(self, episode_id: str, new_tokens: Sequence[int], *,
-                   max_tokens: int | None = None, deadline_s: float | None = None) -> Turn:
+                   max_tokens: int | None = None, deadline_s: float | None = None,
+                   turn_id: str | None = None) -> Turn:
         """Append `new_tokens` (a tool's output, a user message: not sampled, masked out) and
-        sample the policy's reply from the exact token ids of everything before."""
+        sample the policy's reply from the exact token ids of everything before.
+
+        `turn_id` (your name for this turn, e.g. an HTTP request's retry key): the turn sent again
+        with it is not appended twice: while it runs, the call waits for it; once served (and
+        until the next turn is), it gets the same Turn back. Without it every call is a new turn."""
         new_tokens = _token_ids("new_tokens", new_tokens)
         key = self._key(episode_id)
         await self._ready()
-        job_id = _turn_job(episode_id)
+        job_id = _turn_job(episode_id, turn_id)
+        if job_id in self._waiting:  # sent again while it runs in this object: wait for it
+            return await self._rejoin(episode_id, job_id)
         self._inflight.add(job_id)
         try:
             reply = await self.client.scripts.episode_turn(
@@ -361,6 +376,9 @@ class Episodes:
         word = Reply(_text(reply[0]))
         if word is not Reply.OK:
             self._inflight.discard(job_id)
+        if word is Reply.DUP:
+            added, sample, worker_id, version = msgspec.msgpack.decode(reply[1], type=_TurnRecord)
+            return Turn(episode_id, added, sample, worker_id, version)
         if word is Reply.GONE:
             raise EpisodeError(episode_id, "unknown", "no such episode of this trainer (unknown, "
                                                       "or expired: start a new one)")
@@ -425,6 +443,15 @@ class Episodes:
                        _text(raw(EpisodeField.WORKER)), _text(raw(EpisodeField.REASON)))
 
     # --- a turn's job and its result ---------------------------------------------------------
+
+    async def _rejoin(self, episode_id: str, job_id: str) -> Turn:
+        _, new_tokens, waiter = self._waiting[job_id]
+        result, applied = await asyncio.shield(waiter)
+        if result.status != "ok" or not applied:
+            raise EpisodeError(episode_id, "failed" if result.status != "ok" else "ended",
+                               f"its turn ended {result.status}: {result.reason}")
+        s = result.samples[0]
+        return Turn(episode_id, new_tokens, s, result.worker_id, s.versions[-1][0] if s.versions else 0)
 
     async def _run(self, episode_id: str, job_id: str, branches: list[str], new_tokens: list[int],
                    prompt: list[int], n: int, settings: Sampling, window,
@@ -493,7 +520,9 @@ class Episodes:
             version = sample.versions[-1][0] if sample and sample.versions else 0
             why = reason or (f"{result.status}: {result.reason}" if result else "")
             args += [int(served), version, result.worker_id if result else "", why,
-                     *_added(new_tokens, sample if served else None)]
+                     *_added(new_tokens, sample if served else None),
+                     msgspec.msgpack.encode((new_tokens, sample, result.worker_id, version))
+                     if served else b""]
         return int(await self.client.scripts.episode_apply(
             keys=[self.keys.episodes, *map(self._key, branches)], args=args, client=self.client.redis))
 

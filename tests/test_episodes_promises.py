@@ -158,3 +158,24 @@ async def test_a_turn_takes_its_window_from_the_script_that_begins_it(make_clien
     turn = await episodes.turn("w.0", [3])
     assert windows == [(0, 0, None)] and turn.version == 0
     await episodes.close()
+
+
+async def test_a_turn_sent_again_with_its_turn_id_is_appended_once(make_client, make_worker):
+    """Without a turn_id a turn sent twice (a retry after a timeout) is two turns: the suspect
+    held. With one, the repeat, while it runs or after it was served, gets the same turn back."""
+    make_worker(delay_s=0.3)
+    episodes = make_client().episodes()
+    [first] = await episodes.start([1, 2], sampling=SAMPLING)
+    await episodes.turn(first.episode_id, [3])
+    await episodes.turn(first.episode_id, [3])
+    assert (await episodes.get(first.episode_id)).turns == 3  # no key: each call is a turn
+    running = asyncio.create_task(episodes.turn(first.episode_id, [4], turn_id="step-4"))
+    sub = episodes._submitter
+    await wait_until(lambda: jobs.outstanding(sub.redis, sub.keys, sub.trainer_id), what="it queued")
+    again = await episodes.turn(first.episode_id, [4], turn_id="step-4")  # while it runs
+    once = await running
+    later = await episodes.turn(first.episode_id, [4], turn_id="step-4")  # after it was served
+    assert again.tokens == once.tokens == later.tokens and later.new_tokens == [4]
+    record = await episodes.get(first.episode_id)
+    assert record.turns == 4 and record.tokens[-len(once.tokens) - 1:] == [4, *once.tokens]
+    await episodes.close()

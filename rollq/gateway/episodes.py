@@ -52,6 +52,8 @@ class EpisodeStartRequest(VersionWindow, kw_only=True, forbid_unknown_fields=Tru
 
 
 class EpisodeTurnRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    turn_id: str | None = None
+    """Your key for this turn: sent again (a retry), it is not appended twice (`Episodes.turn`)."""
     tokens: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = None
@@ -197,7 +199,7 @@ async def episode_turn(request: web.Request) -> web.Response:
     new = _tokens(gw, body.tokens, body.messages, body.chat_template_kwargs, first=False)
     await _served(gw, episodes.keys.policy)
     turn = await _guarded(episode_id, episodes.turn(episode_id, new, max_tokens=body.max_tokens,
-                                                    deadline_s=body.deadline_s))
+                                                    deadline_s=body.deadline_s, turn_id=body.turn_id))
     return reply(request, turn_view(turn))
 
 
