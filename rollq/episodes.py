@@ -471,6 +471,15 @@ class Episodes:
                 client=self.client.redis)
             raise
         self._inflight.discard(job_id)
+        last = EpisodeField.LAST_TURN_JOB
+        if n == 1 and not waiter.done() \
+                and await self.client.redis.hget(self._key(branches[0]), last) == job_id.encode():
+            # A turn sent again (its turn_id) whose first send's result was applied between
+            # its episode_turn and now: no result will come for this call; the record has it.
+            self._waiting.pop(job_id, None)
+            raw = await self.client.redis.hget(self._key(branches[0]), EpisodeField.LAST_TURN)
+            added, sample, worker_id, version = msgspec.msgpack.decode(raw, type=_TurnRecord)
+            return [Turn(episode_id, added, sample, worker_id, version)]
         result, applied = await waiter
         if result.status != "ok" or len(result.samples) != n:
             raise EpisodeError(episode_id, "failed", f"its turn ended {result.status}: {result.reason} "
