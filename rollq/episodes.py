@@ -16,8 +16,10 @@ by one script (`episode_apply.lua`), idempotent on the turn's job id. `n` branch
 turn is one group of n samples, and branch i (`<episode_id>.<i>`) continues from sample i.
 
 Turns are submitted as the derived trainer `<trainer>~episodes~<owner>`, whose results one router
-task of this object reads, applies and acknowledges. Name the owner to survive a restart: a new
-client's `recover()` applies the turns its predecessor left running. A turn goes to the worker
+task of this object reads, applies and acknowledges; the object holds its owner (a lease: a
+second live object with that owner is refused). Name the owner to survive a restart: the new
+object's first call (or `recover()`) applies the turns its predecessor left running and frees
+the ones it never queued. docs/reliability.md, Episodes, lists each fault and its test. A turn goes to the worker
 that served the previous one (its prefix cache holds the episode) while that worker is alive and
 serves the turn's version, through a work stream routed to it (`Keys.routed_work`); else to any
 worker.
@@ -78,10 +80,11 @@ _NOT_SAMPLED = -1
 class EpisodeError(Exception):
     """A turn or an end that cannot be done; `reason` is one of `unknown` (no such episode, or it
     expired), `running` (a turn is running), `ended`, `retired` (its version is gone) or `failed`
-    (the turn's group ended without samples: `GroupResult.reason` says why)."""
+    (the turn's group ended without samples: `GroupResult.reason` says why) or `owner` (another
+    live object or gateway holds this object's owner)."""
 
     def __init__(self, episode_id: str, reason: str, message: str):
-        super().__init__(f"episode {episode_id!r}: {message}")
+        super().__init__(f"episode {episode_id!r}: {message}" if episode_id else message)
         self.episode_id = episode_id
         self.reason = reason
 
