@@ -19,7 +19,8 @@ Turns are submitted as the derived trainer `<trainer>~episodes~<owner>`, whose r
 task of this object reads, applies and acknowledges; the object holds its owner (a lease: a
 second live object with that owner is refused). Name the owner to survive a restart: the new
 object's first call (or `recover()`) applies the turns its predecessor left running and frees
-the ones it never queued. docs/reliability.md, Episodes, lists each fault and its test. A turn goes to the worker
+the ones it never queued. docs/reliability.md, Episodes, lists each fault and its
+test. A turn goes to the worker
 that served the previous one (its prefix cache holds the episode) while that worker is alive and
 serves the turn's version, through a work stream routed to it (`Keys.routed_work`); else to any
 worker.
