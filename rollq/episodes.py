@@ -255,9 +255,16 @@ class Episodes:
             error = self._router.exception() if self._router else None
             if isinstance(error, EpisodeError):
                 raise error
-            self._router = asyncio.create_task(self._route(), name="episode-results")
+            await self._claim()  # the router stopped when idle and left the lease to lapse
+            if self._router is None or self._router.done():  # (another call may have restarted it)
+                self._router = asyncio.create_task(self._route(), name="episode-results")
 
     async def _open(self) -> int:
+        await self._claim()
+        self._router = asyncio.create_task(self._route(), name="episode-results")
+        return await self._free_unsubmitted()
+
+    async def _claim(self) -> None:
         # A holder killed a moment ago leaves its lease up to `owner_lease_s`: wait that out.
         give_up = time.monotonic() + self.owner_lease_s * 1.5
         while not await self._hold():
@@ -266,8 +273,6 @@ class Episodes:
                                    "is held by another live Episodes object or gateway: one object "
                                    "reads an owner's results; close that one or use another owner")
             await asyncio.sleep(0.2)
-        self._router = asyncio.create_task(self._route(), name="episode-results")
-        return await self._free_unsubmitted()
 
     async def _hold(self, lease_ms: int | None = None) -> bool:
         """Take or renew the owner lease (0: give it up); False when another token holds it."""
@@ -549,13 +554,15 @@ class Episodes:
             raise
 
     async def _route_results(self) -> None:
+        from rollq.queue import jobs
+
         """Read the turns' results, apply each to its episodes, then acknowledge it and wake its
         caller; renew the owner lease on the way. A result nobody waits for (a turn of an earlier
         holder of this owner) is applied all the same (`_adopt`). Redis unreachable for longer
         than the client's retries: the results read are kept and applied when it is back, never
         acknowledged before (a result acknowledged unapplied would be lost for good)."""
         unapplied: list[GroupResult] = []
-        delay = 0.1
+        delay, busy = 0.1, time.monotonic()
         while not self._stopping:
             try:
                 if time.monotonic() - self._renewed >= self.owner_lease_s / 5 and not await self._hold():
@@ -563,6 +570,15 @@ class Episodes:
                                        "Redis was unreachable longer than its lease; this object stops")
                 if not unapplied:
                     unapplied = await self._submitter.arrived(max_count=64, block_s=0.5, ack="manual")
+                if unapplied or self._waiting or self._inflight:
+                    busy = time.monotonic()
+                elif time.monotonic() - busy >= self.owner_lease_s and not await jobs.outstanding(
+                        self.client.redis, self.keys, self._submitter.trainer_id) \
+                        and not self._waiting and not self._inflight:
+                    # Idle (nothing waits, nothing of this owner's is out): stop, and let the lease
+                    # lapse (no await after this check: a call now restarts the router, re-taking
+                    # the lease). An idle object costs Redis nothing.
+                    return
                 while unapplied and not self._stopping:  # left pending at close: the next holder's
                     await self._deliver(unapplied[0])
                     done = unapplied.pop(0)
