@@ -288,7 +288,8 @@ class Episodes:
         between the record's change and the enqueue): each becomes idle, its reason recorded."""
         redis, mine, sub = self.client.redis, self.keys.episode(self.trainer, ""), self._submitter.trainer_id
         stale: dict[str, list[str]] = {}
-        for key in await redis.zrange(self.keys.episodes, 0, -1):
+        running = self.keys.episode_running(sub)
+        for key in await redis.zrange(running, 0, -1):
             key = _text(key)
             if not key.startswith(mine):
                 continue
@@ -298,6 +299,8 @@ class Episodes:
             if _text(state) == EpisodeState.RUNNING and _text(submitter) == sub and job \
                     and job not in self._inflight:
                 stale.setdefault(job, []).append(key)
+            elif _text(state) != EpisodeState.RUNNING:  # applied, ended or expired since
+                await redis.zrem(running, key)
         freed = 0
         for job, records in stale.items():
             freed += await self.client.scripts.episode_unsubmitted(
@@ -346,7 +349,8 @@ class Episodes:
         self._inflight.add(job_id)
         try:
             reply = await self.client.scripts.episode_start(
-                keys=[self.keys.episodes, *map(self._key, branches)],
+                keys=[self.keys.episodes, *map(self._key, branches),
+                      self.keys.episode_running(self._submitter.trainer_id)],
                 args=[self.trainer, encode(settings), lo, "" if hi is None else hi,
                       "" if staleness is None else staleness, int(move), ttl_s, job_id,
                       time.time(), *arrays, self._submitter.trainer_id], client=self.client.redis)
@@ -377,7 +381,8 @@ class Episodes:
         self._inflight.add(job_id)
         try:
             reply = await self.client.scripts.episode_turn(
-                keys=[key, self.keys.episodes], args=[self.trainer, job_id, self._submitter.trainer_id],
+                keys=[key, self.keys.episodes, self.keys.episode_running(self._submitter.trainer_id)],
+                args=[self.trainer, job_id, self._submitter.trainer_id],
                 client=self.client.redis)
         except BaseException:
             self._inflight.discard(job_id)

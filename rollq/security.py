@@ -31,7 +31,7 @@ _TRAINER_COMMANDS = [
     # rollq's scripts, loaded by the client on NOSCRIPT: every command inside them is checked too.
     "+evalsha", "+eval", "+script|load", "+script|exists",
     # What the SDK and rollq's scripts do, on the keys the selectors below grant.
-    "+get", "+mget", "+set", "+exists", "+strlen", "+ttl", "+expire", "+incrby", "+decrby",
+    "+get", "+mget", "+set", "+del", "+exists", "+strlen", "+ttl", "+expire", "+incrby", "+decrby",
     "+hget", "+hmget", "+hgetall", "+hset", "+hsetnx", "+hincrby",
     "+xadd", "+xlen", "+xrange", "+xreadgroup", "+xpending", "+xack", "+xdel", "+xgroup|create",
     "+zadd", "+zrem", "+zscore", "+zrange", "+zrangebyscore", "+zremrangebyscore", "+sadd",
@@ -83,7 +83,11 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
         own += [keys.work(t), keys.results(t), keys.outstanding(t), keys.outstanding_bytes(t),
                 keys.quota(t), keys.job(t, "*"), keys.done(t, "*"), keys.image_holds(t),
                 keys.image_bytes(t)]
-    own += [keys.episode(trainer, "*"), keys.image(trainer, "*")]
+    # Each of its `Episodes` objects' owner lease (`episode_owner.lua`: GET, SET PX, DEL) and
+    # index of running turns (`Keys.episode_running`).
+    own += [keys.episode(trainer, "*"), keys.image(trainer, "*"),
+            keys.episode_owner(f"{trainer}{DERIVED_SEPARATOR}*"),
+            keys.episode_running(f"{trainer}{DERIVED_SEPARATOR}*")]
     shared = [keys.trainers, keys.bounded_jobs, keys.episodes, keys.routed]
     registry = [keys.latest, keys.versions, keys.version_events, keys.worker("*")]
     rules = [trainer, "on", f">{password}", "resetkeys", "resetchannels", "-@all", *_TRAINER_COMMANDS]

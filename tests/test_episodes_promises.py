@@ -119,7 +119,9 @@ async def test_a_second_live_object_with_the_same_owner_is_refused(make_client, 
     make_worker(delay_s=0.1)
     client = make_client()
     first, second = client.episodes(owner="run-7"), client.episodes(owner="run-7")
-    first.owner_lease_s = second.owner_lease_s = 1.0
+    # The first keeps its router (and so the lease) for 5 s after its last result; the second
+    # waits 1.5 of its own 1 s lease for the owner before it is refused.
+    first.owner_lease_s, second.owner_lease_s = 5.0, 1.0
     [a] = await first.start([1, 2], sampling=SAMPLING)
     with pytest.raises(EpisodeError, match="held by another live Episodes object") as refused:
         await second.start([1, 2], sampling=SAMPLING)

@@ -174,6 +174,13 @@ class Keys:
         results of `submitter` (a derived trainer `<trainer>~episodes~<owner>`)."""
         return f"{self._p}:episode-owner:{submitter}"
 
+    def episode_running(self, submitter: str) -> str:
+        """Sorted set episode key -> when its turn began (unix s): the records of `submitter`'s
+        episodes a start or turn made running. A new holder of the owner reads it to free the
+        turns its predecessor never queued (a trainer's Redis user may not list the policy's
+        `episodes`, which names every trainer's); members no longer running are dropped lazily."""
+        return f"{self._p}:episode-running:{submitter}"
+
     @property
     def episodes(self) -> str:
         """Sorted set episode key -> expiry (unix s): the live episodes, whose versions retention

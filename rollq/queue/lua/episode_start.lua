@@ -1,5 +1,5 @@
 -- Start an episode of n branches, each a record whose first turn is running (the job ARGV[8]).
--- KEYS: episodes set, then the n branch records.
+-- KEYS: episodes set, then the n branch records, then the submitter's running set.
 -- ARGV: trainer, sampling, min_version, max_version, max_staleness, move, ttl, turn job,
 --       created_at, tokens, mask, logprobs, token versions (the prompt's), submitter.
 -- Returns REPLY_OK, or REPLY_DUP when a branch exists (the episode id is taken).
@@ -9,12 +9,12 @@ local mine = redis.call('HMGET', KEYS[2], EPISODE_TRAINER, EPISODE_TURN_JOB, EPI
 if mine[1] == ARGV[1] and mine[2] == ARGV[8] and mine[3] == ARGV[9] then
   return REPLY_OK
 end
-for i = 2, #KEYS do
+for i = 2, #KEYS - 1 do
   if redis.call('EXISTS', KEYS[i]) == 1 then
     return REPLY_DUP
   end
 end
-for i = 2, #KEYS do
+for i = 2, #KEYS - 1 do
   redis.call('HSET', KEYS[i], EPISODE_TRAINER, ARGV[1], EPISODE_STATE, EPISODE_IS_RUNNING,
     EPISODE_SAMPLING, ARGV[2], EPISODE_MIN_VERSION, ARGV[3], EPISODE_MAX_VERSION, ARGV[4],
     EPISODE_MAX_STALENESS, ARGV[5], EPISODE_MOVE, ARGV[6], EPISODE_TTL, ARGV[7],
@@ -24,5 +24,9 @@ for i = 2, #KEYS do
     EPISODE_SUBMITTER, ARGV[14])
   redis.call('EXPIRE', KEYS[i], ARGV[7])
   redis.call('ZADD', KEYS[1], redis.call('TIME')[1] + ARGV[7], KEYS[i])
+  redis.call('ZADD', KEYS[#KEYS], redis.call('TIME')[1], KEYS[i])
+end
+if redis.call('TTL', KEYS[#KEYS]) < tonumber(ARGV[7]) then
+  redis.call('EXPIRE', KEYS[#KEYS], ARGV[7])
 end
 return REPLY_OK

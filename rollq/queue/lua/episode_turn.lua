@@ -1,5 +1,5 @@
 -- Begin a turn: an idle episode of this trainer becomes running, its turn job named.
--- KEYS: the episode record, episodes set.  ARGV: trainer, turn job, submitter.
+-- KEYS: the episode record, episodes set, the submitter's running set.  ARGV: trainer, turn job, submitter.
 -- Returns {REPLY_OK, tokens, version, turns, sampling, min_version, max_version, max_staleness,
 -- move, worker} (read in this call: a start or turn applied just before cannot be half seen),
 -- {REPLY_DUP, last turn} (this turn job was served already: a turn sent again),
@@ -25,6 +25,10 @@ redis.call('HSET', KEYS[1], EPISODE_STATE, EPISODE_IS_RUNNING, EPISODE_TURN_JOB,
   EPISODE_SUBMITTER, ARGV[3])
 redis.call('EXPIRE', KEYS[1], found[4])
 redis.call('ZADD', KEYS[2], redis.call('TIME')[1] + found[4], KEYS[1])
+redis.call('ZADD', KEYS[3], redis.call('TIME')[1], KEYS[1])
+if redis.call('TTL', KEYS[3]) < tonumber(found[4]) then
+  redis.call('EXPIRE', KEYS[3], found[4])
+end
 local now = redis.call('HMGET', KEYS[1], EPISODE_TOKENS, EPISODE_VERSION, EPISODE_TURNS,
   EPISODE_SAMPLING, EPISODE_MIN_VERSION, EPISODE_MAX_VERSION, EPISODE_MAX_STALENESS, EPISODE_MOVE,
   EPISODE_WORKER)
