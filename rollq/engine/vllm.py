@@ -33,7 +33,7 @@ log = logging.getLogger("rollq.engine.vllm")
 _OWNED = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "max_tokens", "stop_token_ids", "seed", "logprobs",
           "structured_outputs", "output_kind", "detokenize", "stop",
-          "prompt_logprobs"}
+          "prompt_logprobs", "logit_bias"}
 
 
 class _SampleState:
@@ -587,6 +587,7 @@ def sampling_params(s: Sampling, n: int):
             # 0 still returns the sampled token's own logprob, which every sample carries.
             logprobs=s.logprobs,
             structured_outputs=_structured_outputs(s, StructuredOutputsParams),
+            logit_bias=dict(s.logit_bias) if s.logit_bias else None,
             stop=list(s.stop) or None, prompt_logprobs=s.prompt_logprobs,
             # Decoding costs CPU per token: only when text or stop strings need it.
             output_kind=RequestOutputKind.FINAL_ONLY,
