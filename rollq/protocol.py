@@ -21,6 +21,8 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
+from rollq.grammar import nullable_repetition
+
 # --- Limits: explicit, checked on the client before encoding and on the worker before use. ---
 MAX_N = 1024
 """Samples per group."""
@@ -51,6 +53,15 @@ MAX_STOP_CHARS = 1024
 """Per stop string."""
 MAX_REGEX_CHARS = 4096
 """`sampling.regex`: the engine compiles it into a grammar per job."""
+MAX_STRUCTURED_BYTES = 64 * 1024
+"""`sampling.structured_outputs` encoded (a JSON schema, a grammar, choices): the engine compiles
+it into a grammar per request, at a cost that grows faster than its size (xgrammar 0.2.8, a flat
+schema: 22 KB 0.12 s, 90 KB 1.05 s, 226 KB 8.9 s of CPU, on a loaded box)."""
+MAX_LOGIT_BIAS = 4096
+"""Token ids in `sampling.logit_bias`: the engine applies them to every sampling step."""
+MAX_JSON_NESTING = 64
+"""Objects and arrays nested in a structured-output JSON schema: vLLM 0.32's own limit
+(`MAX_STRUCTURED_OUTPUT_JSON_NESTING`), 16 more in a structural tag, which wraps its schemas."""
 MAX_IMAGES = 16
 """Images of one prompt group."""
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
@@ -182,6 +193,37 @@ class Sampling(msgspec.Struct, **_WIRE):
     distribution). A swap of a mode not listed drains the group first (it finishes on its
     version), which every job accepts. The default keeps every token exact; list `keep` to let
     keep-mode workers swap under this job's groups."""
+    structured_outputs: StructuredOutputs | None = None
+    """Constrain every sample to a JSON schema, a regex, a choice or a grammar (vLLM's
+    `SamplingParams.structured_outputs`); None: unconstrained."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling (vLLM's `SamplingParams.logit_bias`;
+    the engine clamps each to [-100, 100])."""
+
+
+class StructuredOutputs(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """vLLM 0.32's `StructuredOutputsParams`, field for field and with its meanings: exactly one
+    constraint (`json`, `regex`, `choice`, `grammar`, `json_object`, `structural_tag`) and
+    the options beside it. Named fields on the wire, unknown ones refused: a worker that cannot
+    read a constraint fails the item instead of generating unconstrained."""
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (an object, or its JSON text)."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """An EBNF (GBNF) or Lark grammar."""
+    json_object: bool | None = None
+    """True: any JSON object."""
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    """vLLM's structural tag, as JSON text."""
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""The fields of `StructuredOutputs` of which exactly one is set."""
 
 
 class Chat(msgspec.Struct, **_WIRE):
@@ -475,6 +517,80 @@ def validate_sampling(s: Sampling, n: int, field: str = "sampling") -> None:
         raise InvalidInput(f"{field}.stop", f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
     if s.regex is not None:
         validate_regex(s.regex, f"{field}.regex")
+    if s.structured_outputs is not None:
+        if s.regex is not None:
+            raise InvalidInput(f"{field}.regex", "excludes structured_outputs: give the regex there")
+        validate_structured_outputs(s.structured_outputs, f"{field}.structured_outputs")
+    if s.logit_bias is not None:
+        validate_logit_bias(s.logit_bias, f"{field}.logit_bias")
+
+
+def validate_structured_outputs(so: StructuredOutputs, field: str = "sampling.structured_outputs") -> None:
+    """Refuse up front what vLLM 0.32 refuses up front (one constraint, none empty, nesting), and
+    bound what compiling the rest costs the engine: size, and a regex's shape (`validate_regex`)."""
+    given = [name for name in CONSTRAINTS if getattr(so, name) is not None]
+    if len(given) != 1:
+        raise InvalidInput(field, f"must set exactly one of {', '.join(CONSTRAINTS)}; got "
+                                  f"{', '.join(given) or 'none'}")
+    [name] = given
+    value = getattr(so, name)
+    size = len(encode(so))
+    if size > MAX_STRUCTURED_BYTES:
+        raise InvalidInput(f"{field}.{name}", f"is {size} bytes encoded; the limit is {MAX_STRUCTURED_BYTES}")
+    if isinstance(value, str) and name != "regex" and not value.strip():
+        raise InvalidInput(f"{field}.{name}", "is empty")
+    if name == "choice" and not value:
+        raise InvalidInput(f"{field}.choice", "is an empty list; give at least one choice")
+    if name == "json_object" and value is not True:
+        raise InvalidInput(f"{field}.json_object", "must be true if set; omit structured_outputs instead")
+    if name == "regex":
+        if "\x00" in value:
+            raise InvalidInput(f"{field}.regex", "must not contain a NUL character")
+        validate_regex(value, f"{field}.regex")
+    if name == "grammar":
+        try:
+            hazard = nullable_repetition(value)
+        except RecursionError:
+            raise InvalidInput(f"{field}.grammar", "nests parentheses too deeply") from None
+        if hazard:
+            raise InvalidInput(f"{field}.grammar", f"repeats something that can match nothing ({hazard}), "
+                                                   "which costs the engine time that grows with every token; "
+                                                   "make each repeated part match at least one character")
+    if name in ("json", "structural_tag"):
+        _check_nesting(value, f"{field}.{name}", MAX_JSON_NESTING + (16 if name == "structural_tag" else 0))
+    if so.whitespace_pattern is not None:
+        validate_regex(so.whitespace_pattern, f"{field}.whitespace_pattern")
+
+
+def validate_logit_bias(bias: dict[int, float], field: str = "sampling.logit_bias") -> None:
+    """Size and token-id range; ids beyond the model's vocabulary are the engine's to refuse."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidInput(field, f"has {len(bias)} token ids; the limit is {MAX_LOGIT_BIAS}")
+    if any(not 0 <= t < 2**31 for t in bias):
+        raise InvalidInput(field, "token ids must be in [0, 2**31)")
+    if not all(math.isfinite(v) for v in bias.values()):
+        raise InvalidInput(field, "biases must be finite numbers")
+
+
+def _check_nesting(spec: str | dict[str, Any], field: str, limit: int) -> None:
+    """Level by level, without recursion: a schema nested 10,000 deep costs no stack."""
+    too_deep = InvalidInput(field, f"is nested too deeply: objects and arrays may nest at most "
+                                   f"{limit} levels")
+    if isinstance(spec, str):
+        try:
+            spec = msgspec.json.decode(spec)
+        except RecursionError:  # deeper than the decoder's stack: too deep by far
+            raise too_deep from None
+        except msgspec.DecodeError as e:
+            raise InvalidInput(field, f"is not valid JSON: {e}"[:300]) from None
+    level: list[Any] = [spec]
+    for _ in range(limit):
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return
+    raise too_deep
 
 
 def validate_chat(chat: Chat, field: str = "chat") -> None:

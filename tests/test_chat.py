@@ -98,7 +98,7 @@ async def test_a_malformed_tool_fails_its_group_naming_the_field(tools, field):
     ({"tool_choice": {"type": "function", "function": {"name": "g"}},
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"w5": 1.0}}, "logit_bias"),  # keys are token ids
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"echo": True}, "echo"),
     ({"functions": []}, "functions"),

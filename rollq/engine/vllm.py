@@ -33,7 +33,7 @@ log = logging.getLogger("rollq.engine.vllm")
 _OWNED = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "max_tokens", "stop_token_ids", "seed", "logprobs",
           "structured_outputs", "output_kind", "detokenize", "stop",
-          "prompt_logprobs"}
+          "prompt_logprobs", "logit_bias"}
 
 
 class _SampleState:
@@ -234,13 +234,14 @@ class VLLMEngine:
 
     @staticmethod
     def continues_exactly(item: WorkItem) -> bool:
-        """Not when continuing from "prompt + tokens so far" changes the sampling: a regex
-        restarts its automaton, presence/frequency penalties count only generated tokens, `extra`
-        may hold anything, a seeded sample continued under another seed would not be the sample
-        its seed promises; nor with images (a continuation from token ids alone drops them)."""
+        """Not when continuing from "prompt + tokens so far" changes the sampling: a regex or
+        other structured-output constraint restarts its automaton, presence/frequency penalties
+        count only generated tokens, `extra` may hold anything, a seeded sample continued under
+        another seed would not be the sample its seed promises; nor with images (a continuation
+        from token ids alone drops them)."""
         s = item.sampling
-        return (s.seed is None and not s.regex and not s.extra and not item.images
-                and s.presence_penalty == 0 and s.frequency_penalty == 0)
+        return (s.seed is None and not s.regex and s.structured_outputs is None and not s.extra
+                and not item.images and s.presence_penalty == 0 and s.frequency_penalty == 0)
 
     @property
     def vocab_size(self) -> int:
@@ -594,7 +595,8 @@ def sampling_params(s: Sampling, n: int):
             stop_token_ids=list(s.stop_token_ids), seed=s.seed,
             # 0 still returns the sampled token's own logprob, which every sample carries.
             logprobs=s.logprobs,
-            structured_outputs=StructuredOutputsParams(regex=s.regex) if s.regex else None,
+            structured_outputs=_structured_outputs(s, StructuredOutputsParams),
+            logit_bias=dict(s.logit_bias) if s.logit_bias else None,
             stop=list(s.stop) or None, prompt_logprobs=s.prompt_logprobs,
             # Decoding costs CPU per token: only when text or stop strings need it.
             output_kind=RequestOutputKind.FINAL_ONLY,
@@ -603,3 +605,10 @@ def sampling_params(s: Sampling, n: int):
         )
     except (VLLMClientError, ValueError, TypeError) as e:
         raise GroupError(f"invalid sampling parameters: {e}") from None
+
+
+def _structured_outputs(s: Sampling, params: type) -> Any:
+    """The wire's constraint -> vLLM's `StructuredOutputsParams` (the same fields and meanings)."""
+    if s.structured_outputs is not None:
+        return params(**msgspec.structs.asdict(s.structured_outputs))
+    return params(regex=s.regex) if s.regex else None

@@ -25,6 +25,7 @@ from rollq.gateway.api import run_job
 from rollq.gateway.auth import allowed
 from rollq.gateway.completions import OpenAIRequest, shared_sampling
 from rollq.gateway.http import JSON, ApiError, read_body
+from rollq.gateway.structured import structured_outputs_of
 from rollq.gateway.state import GATEWAY
 from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling
 
@@ -53,11 +54,13 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=T
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     response_format: dict[str, Any] | None = None
+    """text, json_object or json_schema (vLLM's `ResponseFormat`)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's `StructuredOutputsParams`; `response_format` overrides the fields it sets."""
 
 
 def sampling_of(req: ChatCompletionRequest) -> Sampling:
-    unsupported = dict(stream=req.stream, echo=req.echo, logit_bias=req.logit_bias,
-                       response_format=req.response_format)
+    unsupported = dict(stream=req.stream, echo=req.echo)
     for name, value in unsupported.items():
         if value:
             raise InvalidInput(name, "is not supported by rollq's chat completions")
@@ -66,7 +69,8 @@ def sampling_of(req: ChatCompletionRequest) -> Sampling:
     if req.n > 1 and req.temperature is not None and req.temperature < _GREEDY:
         raise InvalidInput("n", f"n must be 1 when using greedy sampling, got {req.n}.")  # vLLM's words
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return Sampling(**shared_sampling(req, max_tokens), logprobs=req.top_logprobs or 0, return_text=True)
+    return Sampling(**shared_sampling(req, max_tokens), logprobs=req.top_logprobs or 0, return_text=True,
+                    structured_outputs=structured_outputs_of(req.structured_outputs, req.response_format))
 
 
 async def chat_completions(request: web.Request) -> web.Response:

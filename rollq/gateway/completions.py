@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from rollq import __version__
 from rollq.gateway.http import ApiError
+from rollq.gateway.structured import logit_bias_of, structured_outputs_of
 from rollq.protocol import (GroupResult, InvalidInput, Sample, Sampling, SwapMode, VersionWindow,
                             unpack_floats, unpack_tokens)
 from rollq.queue.keys import Keys
@@ -69,6 +70,8 @@ class CompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=True)
     best_of: int | None = None
     suffix: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    """vLLM's `StructuredOutputsParams`: json, regex, choice, grammar, json_object, structural_tag."""
+    response_format: dict[str, Any] | None = None
     prompt_logprobs: int | None = None
     """vLLM's: score the prompt, top N per position (`echo` with `logprobs` implies it)."""
 
@@ -79,7 +82,7 @@ def shared_sampling(req: OpenAIRequest, max_tokens: int | None) -> dict[str, Any
     given = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                  repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                  frequency_penalty=req.frequency_penalty, seed=req.seed, stop_token_ids=req.stop_token_ids,
-                 max_tokens=max_tokens)
+                 max_tokens=max_tokens, logit_bias=logit_bias_of(req.logit_bias))
     extra: dict[str, Any] = {}
     if req.ignore_eos:
         extra["ignore_eos"] = True
@@ -108,23 +111,19 @@ def prompts_of(prompt: Any) -> list[list[int] | str]:
 
 
 def sampling_of(req: CompletionRequest) -> Sampling:
-    unsupported = dict(stream=req.stream, suffix=req.suffix, logit_bias=req.logit_bias,
+    unsupported = dict(stream=req.stream, suffix=req.suffix,
                        best_of=req.best_of not in (None, req.n) and req.best_of)
     for name, value in unsupported.items():
         if value:
             raise InvalidInput(name, "is not supported by rollq's completions")
-    regex = None
-    if req.structured_outputs:
-        if set(req.structured_outputs) - {"regex"}:
-            raise InvalidInput("structured_outputs", "only {'regex': ...} is supported")
-        regex = req.structured_outputs["regex"]
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo:  # as vLLM: echoed logprobs cover the prompt too
         prompt_logprobs = req.logprobs
     # A worker whose model has a tokenizer decodes (vLLM's own text and token strings, as its
     # server gives them); one without serves token ids and the text is the gateway's.
     return Sampling(**shared_sampling(req, req.max_tokens if req.max_tokens is not None else 16),
-                    logprobs=req.logprobs or 0, regex=regex, prompt_logprobs=prompt_logprobs,
+                    logprobs=req.logprobs or 0, prompt_logprobs=prompt_logprobs,
+                    structured_outputs=structured_outputs_of(req.structured_outputs, req.response_format),
                     text_if_tokenizer=True)
 
 
