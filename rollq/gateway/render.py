@@ -37,6 +37,9 @@ MAX_NODES = 200_000
 RENDER_TIMEOUT_S = 5.0
 RENDER_MEMORY_BYTES = 1024 * 1024 * 1024
 """Address space a helper may grow by while it renders (beyond what it holds at start)."""
+STUCK_S = 60.0
+"""How long the gateway waits for a render, at most, before it kills the helpers: the alarm ends
+a render in Python; this, one stuck in C (and it covers the helpers' start, seconds when busy)."""
 RENDER_PROCESSES = 2
 NICE = 10
 
@@ -116,7 +119,9 @@ def _start_helper(tokenizer_dir: str) -> None:
     from transformers import AutoTokenizer
 
     _tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    _tokenizer.encode("warm up")  # its lazy imports, before the limit is set
+    # Its lazy imports (Jinja's too) and ours, before the limit is set and outside any alarm.
+    _tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], tokenize=True)
+    import rollq.episodes  # noqa: F401
     with open("/proc/self/statm") as f:
         held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     limit = held + RENDER_MEMORY_BYTES
@@ -126,7 +131,7 @@ def _start_helper(tokenizer_dir: str) -> None:
 
 def _render(kind: str, args: tuple) -> tuple[str, list[int]]:
     """In a helper: ("", token ids), or (the refusal's message, [])."""
-    from rollq.episodes import chat_continuation
+    from rollq.episodes import chat_continuation  # imported by _start_helper
 
     signal.setitimer(signal.ITIMER_REAL, RENDER_TIMEOUT_S)
     try:
@@ -200,15 +205,15 @@ class RenderWorkers:
             done = asyncio.wrap_future(future)
             try:
                 # The helper's alarm ends a render; this ends a helper the alarm could not.
-                refused, ids = await asyncio.wait_for(asyncio.shield(done), RENDER_TIMEOUT_S + 5)
+                refused, ids = await asyncio.wait_for(asyncio.shield(done), STUCK_S)
             except asyncio.CancelledError:
                 # The caller keeps its turn until the helper is done: callers that hang up
                 # cannot pile renders up behind the pool.
-                await asyncio.wait([done], timeout=RENDER_TIMEOUT_S + 5)
+                await asyncio.wait([done], timeout=STUCK_S)
                 raise
             except TimeoutError:
                 self._drop(pool, kill=True)
-                raise InvalidInput(field, f"rendering took longer than {RENDER_TIMEOUT_S} s; the "
+                raise InvalidInput(field, f"rendering took longer than {STUCK_S} s; the "
                                           f"limit is {RENDER_TIMEOUT_S} s") from None
             except BrokenProcessPool:  # the helper died: out of memory beyond the limit's reach
                 self._drop(pool, kill=False)
