@@ -27,7 +27,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from rollq.protocol import MAX_PROMPT_CHARS, InvalidInput
+from rollq.protocol import MAX_CHAT_BYTES, MAX_PROMPT_CHARS, InvalidInput
 
 MAX_DEPTH = 32
 """Arrays and objects inside each other in one free-form field. OpenAI messages need ~6 (a
@@ -80,10 +80,15 @@ def check_text(value: Any, field: str, limit: int = MAX_PROMPT_CHARS) -> None:
 
 def check_chat(messages: Any, tools: Any, kwargs: Any, response_format: Any = None) -> None:
     """A chat completion's free-form fields, before the gateway walks them (its images,
-    `copy.deepcopy`) and a worker renders them; their size is the worker's `MAX_CHAT_BYTES`."""
+    `copy.deepcopy`, the work item's encoding) and a worker renders them: at most the worker's
+    `MAX_CHAT_BYTES` of text in all."""
+    chars = 0
     for field, value in (("messages", messages), ("tools", tools), ("chat_template_kwargs", kwargs),
                          ("response_format", response_format)):
-        check_tree(value, field)
+        chars += check_tree(value, field)
+        if chars > MAX_CHAT_BYTES:
+            raise InvalidInput(field, f"the conversation has more than {MAX_CHAT_BYTES} characters of "
+                                      f"text; the limit is {MAX_CHAT_BYTES}")
 
 
 def refuse_template(trusted: bool, kwargs: dict[str, Any] | None, template: str | None = None,
@@ -171,6 +176,13 @@ class RenderWorkers:
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._turns = asyncio.Semaphore(processes)
+
+    def start(self) -> None:
+        """Start the helpers now, in a thread (not on the loop), so the first render does not
+        wait for them (spawning and importing transformers: seconds on a busy box)."""
+        if self.tokenizer is not None:
+            threading.Thread(target=self._submit, args=("encode", ("",)), name="render-start",
+                             daemon=True).start()
 
     def _submit(self, kind: str, args: tuple) -> tuple[ProcessPoolExecutor, Future]:
         with self._lock:

@@ -95,6 +95,7 @@ class Gateway:
     async def start(self) -> None:
         await check_durability(self.redis, require=self.settings.require_durable, log=log)
         self._sampling = asyncio.create_task(self.sampler.run(), name="pool-sampler")
+        self.render.start()
 
     async def stop(self) -> None:
         """Bounded: background tasks are told to stop and cancelled, then waited for 5 s at most."""
