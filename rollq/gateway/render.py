@@ -16,6 +16,7 @@ gateway's memory. Every refusal is an `InvalidInput` (a 400 naming the field and
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import resource
@@ -41,8 +42,8 @@ STUCK_S = 60.0
 """How long the gateway waits for a render, at most, before it kills the helpers: the alarm ends
 a render in Python; this, one stuck in C (and it covers the helpers' start, seconds when busy)."""
 RENDER_PROCESSES = 2
-NICE = 10
 
+log = logging.getLogger("rollq.gateway")
 _TRUST_HINT = "start the gateway with --trust-request-chat-template to allow it"
 
 
@@ -107,6 +108,8 @@ def refuse_template(trusted: bool, kwargs: dict[str, Any] | None, template: str 
 # --- in the helper processes ------------------------------------------------------------------
 
 _tokenizer: Any = None
+_OUT_OF_MEMORY = (f"rendering needed more than {RENDER_MEMORY_BYTES // 2**20} MiB of memory; the limit "
+                  f"is {RENDER_MEMORY_BYTES // 2**20} MiB")
 
 
 class _Alarm(Exception):
@@ -117,13 +120,17 @@ def _on_alarm(signum, frame):
     raise _Alarm
 
 
-def _start_helper(tokenizer_dir: str) -> None:
+def _start_helper(tokenizer_dir: str, fast: bool) -> None:
+    # Not niced, unlike the publish helpers: a render is a request's own work, awaited by its
+    # caller, and at nice +10 on a busy box a helper took over 60 s to start.
     global _tokenizer
-    os.nice(NICE)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no thread pool: one render, one thread
-    from transformers import AutoTokenizer
+    # A fast tokenizer is all of it in tokenizer.json and its config: loaded as the base class,
+    # which spares the import of torch that AutoTokenizer makes (15 s of CPU against 2).
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    _tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    loader = PreTrainedTokenizerFast if fast else AutoTokenizer
+    _tokenizer = loader.from_pretrained(tokenizer_dir, local_files_only=True)
     # Its lazy imports (Jinja's too) and ours, before the limit is set and outside any alarm.
     _tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], tokenize=True)
     import rollq.episodes  # noqa: F401
@@ -150,9 +157,8 @@ def _render(kind: str, args: tuple) -> tuple[str, list[int]]:
         return "", list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     except _Alarm:
         return f"rendering took longer than {RENDER_TIMEOUT_S} s; the limit is {RENDER_TIMEOUT_S} s", []
-    except MemoryError:
-        return (f"rendering needed more than {RENDER_MEMORY_BYTES // 2**20} MiB of memory; the limit "
-                f"is {RENDER_MEMORY_BYTES // 2**20} MiB"), []
+    except MemoryError:  # a message made in advance: there may be no memory to make one now
+        return _OUT_OF_MEMORY, []
     except InvalidInput as e:
         return str(e).split(": ", 1)[-1], []
     except Exception as e:  # the template's own error (an unknown role, a raise_exception)
@@ -162,6 +168,11 @@ def _render(kind: str, args: tuple) -> tuple[str, list[int]]:
 
 
 # --- in the gateway ---------------------------------------------------------------------------
+
+def _retrieved(done: asyncio.Future) -> None:
+    if not done.cancelled():
+        done.exception()
+
 
 class RenderWorkers:
     """Renders and tokenizes with the gateway's tokenizer in `processes` spawned helpers,
@@ -174,6 +185,7 @@ class RenderWorkers:
         """The tokenizer saved for the helpers to load (the gateway may hold one made in memory)."""
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
+        self._started: Future | None = None
         self._lock = threading.Lock()
         self._turns = asyncio.Semaphore(processes)
 
@@ -184,17 +196,20 @@ class RenderWorkers:
             threading.Thread(target=self._submit, args=("encode", ("",)), name="render-start",
                              daemon=True).start()
 
-    def _submit(self, kind: str, args: tuple) -> tuple[ProcessPoolExecutor, Future]:
+    def _submit(self, kind: str, args: tuple) -> tuple[ProcessPoolExecutor, Future, Future]:
+        """The pool, the future of its first task (done once a helper is up) and the new one's."""
         with self._lock:
             for _ in range(2):
                 if self._saved is None:
                     self._saved = tempfile.mkdtemp(prefix="rollq-tokenizer-")
                     self.tokenizer.save_pretrained(self._saved)
                 if self._pool is None:
+                    fast = bool(getattr(self.tokenizer, "is_fast", False))
                     self._pool = ProcessPoolExecutor(self.processes, multiprocessing.get_context("spawn"),
-                                                     initializer=_start_helper, initargs=(self._saved,))
+                                                     initializer=_start_helper, initargs=(self._saved, fast))
+                    self._started = self._pool.submit(_render, "encode", ("",))  # done once one is up
                 try:
-                    return self._pool, self._pool.submit(_render, kind, args)
+                    return self._pool, self._started, self._pool.submit(_render, kind, args)
                 except BrokenProcessPool:
                     self._pool = None
             raise BrokenProcessPool("the render helpers could not be started")
@@ -213,10 +228,14 @@ class RenderWorkers:
         if self.tokenizer is None:
             raise InvalidInput(field, "this gateway has no tokenizer (--tokenizer): send token ids")
         async with self._turns:
-            pool, future = await asyncio.to_thread(self._submit, kind, args)
-            done = asyncio.wrap_future(future)
+            pool, first, future = await asyncio.to_thread(self._submit, kind, args)
+            started, done = asyncio.wrap_future(first), asyncio.wrap_future(future)
+            for waited in (started, done):
+                waited.add_done_callback(_retrieved)  # a helper killed after we stopped waiting
             try:
-                # The helper's alarm ends a render; this ends a helper the alarm could not.
+                # The helper's alarm ends a render; this ends a helper the alarm could not. The
+                # clock starts once a helper is up: starting one took over 60 s on a busy box.
+                await asyncio.wait([started])
                 refused, ids = await asyncio.wait_for(asyncio.shield(done), STUCK_S)
             except asyncio.CancelledError:
                 # The caller keeps its turn until the helper is done: callers that hang up
@@ -231,6 +250,11 @@ class RenderWorkers:
                 self._drop(pool, kill=False)
                 raise InvalidInput(field, "rendering them killed the helper process (out of memory?); "
                                           f"the limit is {RENDER_MEMORY_BYTES // 2**20} MiB") from None
+            except Exception as e:  # raised past _render's own handlers (out of memory in them)
+                log.info("a render failed in its helper: %r", e)
+                raise InvalidInput(field, f"rendering them failed ({type(e).__name__}); the limits "
+                                          f"are {RENDER_TIMEOUT_S} s and {RENDER_MEMORY_BYTES // 2**20} "
+                                          "MiB") from None
         if refused:
             raise InvalidInput(field, refused)
         return ids
@@ -250,10 +274,17 @@ class RenderWorkers:
         return await self.run(field, "encode", text)
 
     def close(self) -> None:
+        """Queued renders are dropped; a helper busy with one ends it (within its alarm). The
+        saved tokenizer is removed once the helpers are gone: one still starting reads it."""
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
-            if self._saved is not None:
-                shutil.rmtree(self._saved, ignore_errors=True)
-                self._saved = None
+            pool, saved, self._pool, self._saved = self._pool, self._saved, None, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+        def remove() -> None:
+            if pool is not None:
+                pool.shutdown(wait=True)
+            if saved is not None:
+                shutil.rmtree(saved, ignore_errors=True)
+
+        threading.Thread(target=remove, name="render-close").start()
