@@ -107,7 +107,7 @@ async def test_a_malformed_tool_fails_its_group_naming_the_field(tools, field):
     ({"max_completion_tokens": 0}, "sampling.max_tokens"),
     ({"stop": ["w1"] * 65}, "sampling.stop"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
-    ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "chat_template"),
+    ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "chat_template_kwargs.chat_template"),
     *(({"tools": tools}, field) for tools, field in MALFORMED_TOOLS),
 ])
 async def test_gateway_refuses_what_it_does_not_support_naming_the_field(make_gateway, policy, body, field):

@@ -68,11 +68,16 @@ in flight (issue 20's soak: another trainer's jobs waited seconds behind them)."
 HEAVY_BYTES = 1024 * 1024
 
 
+def heavy_turn(request: web.Request, data: bytes) -> contextlib.AbstractAsyncContextManager:
+    """The turn a body of `data` takes for its decode and what follows on the loop (every route
+    whose body may be large: submits, completions, chat completions)."""
+    return request.app[HEAVY_TURN] if len(data) > HEAVY_BYTES else contextlib.nullcontext()
+
+
 async def submit(request: web.Request) -> web.Response:
     gw, policy, who = _context(request)
     data = await body_bytes(request)  # arrives outside the turn: a slow sender holds only itself
-    heavy = request.app[HEAVY_TURN] if len(data) > HEAVY_BYTES else contextlib.nullcontext()
-    async with heavy:
+    async with heavy_turn(request, data):
         body = decode_body(request, data, SubmitRequest)
         images = None if body.images is None else [
             [from_data_url(url, f"images[{i}][{j}]") for j, url in enumerate(group)]
@@ -328,15 +333,18 @@ async def models(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     who = gw.tokens.principal(request)
-    req = await read_body(request, oai.CompletionRequest)
-    policy = allowed(who, req.model)
-    prompts = oai.prompts_of(req.prompt)
+    data = await body_bytes(request)
+    async with heavy_turn(request, data):  # as a submit's: a 16 MiB prompt decodes on the loop
+        req = decode_body(request, data, oai.CompletionRequest)
+        policy = allowed(who, req.model)
+        prompts = oai.prompts_of(req.prompt)
     sampling = oai.sampling_of(req)
-    sent = [gw.encode_text(p, i) for i, p in enumerate(prompts)]
+    sent = [await gw.encode_text(p, i) for i, p in enumerate(prompts)]  # text: in a render helper
 
-    def submit(client: RolloutClient, job_id: str, window: dict) -> Awaitable[str]:
-        return client.submit(sent, req.n, sampling, job_id=job_id, deadline_s=req.timeout_s, wait=False,
-                             **window)
+    async def submit(client: RolloutClient, job_id: str, window: dict) -> str:
+        async with heavy_turn(request, data):  # the work items' encoding
+            return await client.submit(sent, req.n, sampling, job_id=job_id, deadline_s=req.timeout_s,
+                                       wait=False, **window)
 
     job_id = oai.new_job_id()
     results = await run_job(gw, policy, who, job_id, len(sent), req, submit)

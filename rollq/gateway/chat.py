@@ -21,10 +21,11 @@ from aiohttp import web
 
 from rollq import __version__
 from rollq.engine.chat import check_tools
-from rollq.gateway.api import run_job
+from rollq.gateway.api import heavy_turn, run_job
 from rollq.gateway.auth import allowed
 from rollq.gateway.completions import OpenAIRequest, shared_sampling
-from rollq.gateway.http import JSON, ApiError, read_body
+from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body
+from rollq.gateway.render import check_chat, refuse_template
 from rollq.gateway.structured import structured_outputs_of
 from rollq.gateway.state import GATEWAY
 from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling
@@ -76,24 +77,26 @@ def sampling_of(req: ChatCompletionRequest) -> Sampling:
 async def chat_completions(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     who = gw.tokens.principal(request)
-    req = await read_body(request, ChatCompletionRequest)
+    data = await body_bytes(request)
+    async with heavy_turn(request, data):  # as a submit's: a 16 MiB body decodes on the loop
+        req = decode_body(request, data, ChatCompletionRequest)
     policy = allowed(who, req.model)
     sampling = sampling_of(req)
+    check_chat(req.messages, req.tools, req.chat_template_kwargs, req.response_format)
     check_tools(req.tools)  # the workers check too; here it is a 400 before anything is queued
     tool_choice = check_tool_choice(req.tools, req.tool_choice)
-    if not gw.settings.trust_request_chat_template and (
-            req.chat_template is not None or "chat_template" in (req.chat_template_kwargs or {})):
-        # As vLLM's server: a caller's template would run on every worker that renders it.
-        raise ApiError(400, "a request's chat template is refused: start the gateway with "
-                            "--trust-request-chat-template to allow it", "chat_template")
+    # As vLLM's server: a caller's template would run on every worker that renders it.
+    refuse_template(gw.settings.trust_request_chat_template, req.chat_template_kwargs, req.chat_template)
 
-    def submit(client, job_id: str, window: dict):
-        return client.submit_chat(
-            [req.messages], req.n, sampling, tools=req.tools, chat_template=req.chat_template,
-            chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, tool_choice=tool_choice,
-            parallel_tool_calls=req.parallel_tool_calls, reasoning_effort=req.reasoning_effort,
-            job_id=job_id, deadline_s=req.timeout_s, wait=False, **window)
+    async def submit(client, job_id: str, window: dict):
+        async with heavy_turn(request, data):  # the images' walk and the work item's encoding
+            return await client.submit_chat(
+                [req.messages], req.n, sampling, tools=req.tools, chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, tool_choice=tool_choice,
+                parallel_tool_calls=req.parallel_tool_calls, reasoning_effort=req.reasoning_effort,
+                job_id=job_id, deadline_s=req.timeout_s, wait=False, **window)
 
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:

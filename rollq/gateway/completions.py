@@ -22,8 +22,8 @@ from redis.exceptions import RedisError
 from rollq import __version__
 from rollq.gateway.http import ApiError
 from rollq.gateway.structured import logit_bias_of, structured_outputs_of
-from rollq.protocol import (GroupResult, InvalidInput, Sample, Sampling, SwapMode, VersionWindow,
-                            unpack_floats, unpack_tokens)
+from rollq.protocol import (MAX_JOB_GROUPS, MAX_PROMPT_TOKENS, GroupResult, InvalidInput, Sample, Sampling,
+                            SwapMode, VersionWindow, unpack_floats, unpack_tokens)
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
@@ -99,6 +99,10 @@ def prompts_of(prompt: Any) -> list[list[int] | str]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
+        # Sizes before the per-value scan: a 16 MiB list of ids is refused without walking it.
+        if len(prompt) > max(MAX_PROMPT_TOKENS, MAX_JOB_GROUPS):
+            raise InvalidInput("prompt", f"has {len(prompt)} values; the limit is {MAX_PROMPT_TOKENS} "
+                                         f"token ids or {MAX_JOB_GROUPS} prompts")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [prompt]
         if all(isinstance(p, str) for p in prompt):

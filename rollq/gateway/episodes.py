@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from rollq.episodes import Episode, EpisodeError, Episodes, Turn, chat_continuation
+from rollq.episodes import Episode, EpisodeError, Episodes, Turn
 from rollq.gateway.api import _context
 from rollq.gateway.http import ApiError, read_body, reply
 from rollq.gateway.state import GATEWAY, Gateway
@@ -153,25 +153,15 @@ async def _take_over(app: web.Application) -> None:
                 _made(app, gw, policy, name[:-len(mine)])
 
 
-def _tokens(gw: Gateway, tokens: list[int] | None, messages: list[dict[str, Any]] | None,
-            kwargs: dict[str, Any], first: bool) -> list[int]:
+async def _tokens(gw: Gateway, tokens: list[int] | None, messages: list[dict[str, Any]] | None,
+                  kwargs: dict[str, Any], first: bool) -> list[int]:
+    """Token ids, or `messages` rendered by the gateway's render helpers (gateway/render.py:
+    capped, off the loop, the caller's template refused unless trusted)."""
     if (tokens is None) == (messages is None):
         raise InvalidInput("messages", "give token ids or messages, one of the two")
     if messages is None:
         return tokens
-    tokenizer = gw.words.tokenizer
-    if tokenizer is None:
-        raise InvalidInput("messages", "this gateway has no tokenizer (--tokenizer): send token ids")
-    try:
-        if first:
-            rendered = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                     return_dict=False, **kwargs)
-            return list(rendered)
-        return chat_continuation(tokenizer, messages, **kwargs)
-    except InvalidInput:
-        raise
-    except Exception as e:  # the template's own error (an unknown role, a raise_exception)
-        raise InvalidInput("messages", f"the chat template refused them: {e}") from None
+    return await gw.render.chat(messages, kwargs, first, gw.settings.trust_request_chat_template)
 
 
 async def _guarded(episode_id: str, call):
@@ -184,7 +174,7 @@ async def _guarded(episode_id: str, call):
 async def start_episode(request: web.Request) -> web.Response:
     gw, episodes = _episodes(request)
     body = await read_body(request, EpisodeStartRequest)
-    prompt = _tokens(gw, body.prompt, body.messages, body.chat_template_kwargs, first=True)
+    prompt = await _tokens(gw, body.prompt, body.messages, body.chat_template_kwargs, first=True)
     await _served(gw, episodes.keys.policy)
     turns = await _guarded(body.episode_id or "", episodes.start(
         prompt, body.n, body.sampling, episode_id=body.episode_id, **body.asked(), move=body.move,
@@ -196,7 +186,7 @@ async def episode_turn(request: web.Request) -> web.Response:
     gw, episodes = _episodes(request)
     episode_id = request.match_info["episode_id"]
     body = await read_body(request, EpisodeTurnRequest)
-    new = _tokens(gw, body.tokens, body.messages, body.chat_template_kwargs, first=False)
+    new = await _tokens(gw, body.tokens, body.messages, body.chat_template_kwargs, first=False)
     await _served(gw, episodes.keys.policy)
     turn = await _guarded(episode_id, episodes.turn(episode_id, new, max_tokens=body.max_tokens,
                                                     deadline_s=body.deadline_s, turn_id=body.turn_id))

@@ -17,6 +17,7 @@ from rollq.gateway.auth import Tokens
 from rollq.gateway.completions import CompletionRouter, TokenText
 from rollq.gateway.files import FileWorkers
 from rollq.gateway.pool_view import PoolSampler
+from rollq.gateway.render import RenderWorkers
 from rollq.protocol import InvalidInput, derived_trainer_id
 from rollq.queue.connection import check_durability
 from rollq.queue.keys import Keys
@@ -48,6 +49,7 @@ class Gateway:
                                  ["route"], registry=self.metrics)
         self._sampling: asyncio.Task | None = None
         self.files = FileWorkers(PUBLISH_PROCESSES)
+        self.render = RenderWorkers(tokenizer)
 
     def client(self, policy: str, trainer: str) -> RolloutClient:
         key = (policy, trainer)
@@ -72,8 +74,9 @@ class Gateway:
             self._routers[key] = CompletionRouter(self.redis, Keys(policy), trainer)
         return self._routers[key]
 
-    def encode_text(self, prompt: list[int] | str, index: int = 0) -> list[int] | str:
-        """Text prompts are tokenized here when the gateway has a tokenizer, else by the worker.
+    async def encode_text(self, prompt: list[int] | str, index: int = 0) -> list[int] | str:
+        """Text prompts are tokenized here when the gateway has a tokenizer (in a render helper:
+        gateway/render.py), else by the worker.
         With a tokenizer, token ids outside its vocabulary are refused here, as vLLM's server
         does (the worker checks against the model again: an out-of-vocabulary id must never
         reach an engine, issue 21)."""
@@ -81,7 +84,7 @@ class Gateway:
         if tokenizer is None:
             return prompt
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
+            return await self.render.encode(prompt, "prompt")
         size = len(tokenizer)
         bad = next((t for t in prompt if not 0 <= t < size), None)
         if bad is not None:
@@ -92,6 +95,7 @@ class Gateway:
     async def start(self) -> None:
         await check_durability(self.redis, require=self.settings.require_durable, log=log)
         self._sampling = asyncio.create_task(self.sampler.run(), name="pool-sampler")
+        self.render.start()
 
     async def stop(self) -> None:
         """Bounded: background tasks are told to stop and cancelled, then waited for 5 s at most."""
@@ -107,6 +111,7 @@ class Gateway:
             for task in stuck:
                 log.warning("gateway task %s did not stop", task.get_name())
         self.files.close()
+        self.render.close()
         await self.redis.aclose()
 
 
