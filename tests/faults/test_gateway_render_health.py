@@ -41,7 +41,7 @@ def hostile(policy: str) -> list[tuple[str, str, bytes]]:
     user = [{"role": "user", "content": "w10"}]
     episodes = f"/v1/policies/{policy}/episodes"
     deep = "[" * 500 + "]" * 500
-    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}w10"  # > any time bound
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}w10"
     big = "{% set s = 'x' * 2000000000 %}{{ s|length }}{{ (s ~ s)|length }}"
     mib16 = 16 * 1024 * 1024
     return [
