@@ -21,7 +21,8 @@ from rollq.protocol import pack_tokens
 
 VOCAB = 32_000
 """The instant engine's default vocabulary: its tokens are a function of the prompt."""
-MAX_EVIDENCE = 40
+MAX_EVIDENCE = 8
+"""Evidence lines kept per kind."""
 
 
 class EpisodeSummary(msgspec.Struct):
@@ -70,6 +71,8 @@ class Incarnation:
     ending: bool = False
     """`end()` was sent: a turn served after that ran while the episode was being ended."""
     during_end: set[int] = field(default_factory=set)
+    last_call: str = ""
+    """The last start or turn sent on it and how it ended (for the evidence of a stuck record)."""
 
 
 @dataclass
@@ -79,7 +82,7 @@ class Findings:
 
     def add(self, kind: str, line: str) -> None:
         self.counts[kind] += 1
-        if len(self.evidence) < MAX_EVIDENCE:
+        if self.counts[kind] <= MAX_EVIDENCE:
             self.evidence.append(f"{kind}: {line}")
 
 
@@ -99,8 +102,12 @@ def incarnations(trainer: str, journal: list[dict], findings: Findings) -> list[
                 if line["op"] == "end" and incs:
                     incs[0].ending = True
             pending[u] = (line["op"], incs)
+            for inc in incs if line["op"] != "end" else []:
+                inc.last_call = f"{line['op']} {u}: no reply (its trainer was killed)"
         elif kind in ("ok", "refused", "unknown", "hung") and u in pending:
             op, incs = pending.pop(u)
+            for inc in incs if op != "end" else []:
+                inc.last_call = f"{op} {u}: {kind} {line.get('why', '')}".strip()
             if kind == "ok" and op == "end":
                 incs[0].ended = line["out"]
             elif kind == "ok":
@@ -183,8 +190,10 @@ def check(journals: dict[str, list[dict]], records: dict[tuple[str, str], dict])
         check_record(inc, final, findings)
     for (trainer, branch), record in records.items():
         if record["state"] == "running":
+            inc = latest.get((trainer, branch))
             findings.add("stuck", f"{trainer}/{branch}: still running turn {record['turn_job']} after "
-                                  "every trainer finished (its deadline long past)")
+                                  "every trainer finished (its deadline long past); its last call: "
+                                  f"{inc.last_call if inc else 'none journalled'}")
     c = findings.counts
     return EpisodeSummary(
         minutes=0, seed=0, episodes=sum(inc.index == 0 and bool(inc.served) for inc in every),

@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 from rollq.chaos_trainer import POLICY
 from rollq.client import RolloutClient
 from rollq.episodes import EpisodeError
+from rollq.protocol import InvalidInput
 
 MARKER_BASE = 100_000_000
 """Markers are `MARKER_BASE * (index + 1) + life * 100_000 + count`: above any sampled token."""
@@ -70,6 +71,8 @@ class SdkDriver:
             return _record(await self.episodes.end(branch))
         except EpisodeError as e:
             raise Refused(f"{e.reason}: {e}") from None
+        except InvalidInput as e:  # (an id still taken)
+            raise Refused(str(e)) from None
         except (RedisError, OSError) as e:
             raise Unknown(repr(e)) from None
 
@@ -78,6 +81,8 @@ class SdkDriver:
             return _record(await self.episodes.get(branch))
         except EpisodeError:
             return None
+        except (RedisError, OSError) as e:
+            raise Unknown(repr(e)) from None
 
     async def close(self):
         await self.episodes.close()
@@ -234,10 +239,13 @@ async def main(url: str, journal: Path, index: int, life: int, seed: int, stop: 
         driver = SdkDriver(client, owner="chaos")
         trainer = Trainer(journal, index, life, rng, stop, driver)
         # The turns an earlier life left running: applied to their episodes now.
-        try:
-            trainer.write(k="recovered", turns=await driver.episodes.recover(timeout_s=DEADLINE_S))
-        except RedisError as e:
-            trainer.write(k="recover-failed", why=repr(e))
+        for attempt in range(10):  # (Redis may be down for a while: a trainer tries again)
+            try:
+                trainer.write(k="recovered", turns=await driver.episodes.recover(timeout_s=DEADLINE_S))
+                break
+            except RedisError as e:
+                trainer.write(k="recover-failed", why=repr(e), attempt=attempt)
+                await asyncio.sleep(2)
         await trainer.run()
         await driver.close()
 

@@ -206,6 +206,7 @@ async def chaos_episodes(s: EpisodeChaosSettings) -> EpisodeSummary:
             stop_children(run.trainers.values(), 0, group=False)
             journals = {run.trainer_id(i): _read_journal(run.journal(i)) for i in range(s.trainers)}
             records = await _records(run.redis.url)
+            (workdir / "records.json").write_text(json.dumps([[*k, v] for k, v in records.items()]))
         finally:
             stop_children(run.trainers.values(), 0, group=False)
             if run.gateway is not None:
