@@ -36,12 +36,16 @@ class EpisodeSummary(msgspec.Struct):
     turns_by_trainer: dict[str, int]
     turns_unanswered: int
     lost: int
+    lost_during_end: int
+    """Of `lost`: turns served while their episode was being ended (end() returned without them)."""
     doubled: int
     mismatched: int
     phantom: int
     changed_after_end: int
     stuck: int
     hung: int
+    ends_during_turn: int
+    """Times a trainer called end() while a turn of that branch ran (on purpose)."""
     unverified: int
     """Branches with served turns and no record to check (expired before anyone read it)."""
     faults: dict[str, int]
@@ -101,6 +105,8 @@ def incarnations(trainer: str, journal: list[dict], findings: Findings) -> list[
                 incs = [current[line["b"][0]]] if line["b"][0] in current else []
                 if line["op"] == "end" and incs:
                     incs[0].ending = True
+                    if any(op == "turn" and incs[0] in others for op, others in pending.values()):
+                        findings.counts["ends_during_turn"] += 1
             pending[u] = (line["op"], incs)
             for inc in incs if line["op"] != "end" else []:
                 inc.last_call = f"{line['op']} {u}: no reply (its trainer was killed)"
@@ -135,6 +141,7 @@ def check_record(inc: Incarnation, record: dict, findings: Findings) -> None:
     for marker, sampled in inc.served:
         if marker not in markers:
             during = " (it ran while end() was called)" if marker in inc.during_end else ""
+            findings.counts["lost_during_end"] += bool(during)
             findings.add("lost", f"{where}: turn {marker} was acknowledged as served ({sampled}){during} "
                                  f"and is not in the record ({len(tokens)} tokens, "
                                  f"markers {sorted(markers)})")
@@ -142,6 +149,9 @@ def check_record(inc: Incarnation, record: dict, findings: Findings) -> None:
             findings.add("mismatched", f"{where}: turn {marker}: its caller got {sampled}, the record "
                                        f"has {runs.get(marker, (None, []))[1]}")
     for marker in inc.refused:
+        # A start's prompt is in the record from the start on: only samples after it were added.
+        if marker == inc.start and not runs.get(marker, (0, []))[1]:
+            continue
         if marker in markers:
             findings.add("phantom", f"{where}: turn {marker} was refused (nothing added) "
                                             "and is in the record")
@@ -200,7 +210,8 @@ def check(journals: dict[str, list[dict]], records: dict[tuple[str, str], dict])
         branches=sum(bool(inc.served) for inc in every),
         turns_served=sum(len(inc.served) for inc in every),
         turns_by_trainer=dict(Counter(inc.trainer for inc in every for _ in inc.served)),
-        turns_unanswered=sum(len(inc.unanswered) for inc in every), lost=c["lost"], doubled=c["doubled"],
+        turns_unanswered=sum(len(inc.unanswered) for inc in every), lost=c["lost"],
+        lost_during_end=c["lost_during_end"], doubled=c["doubled"], ends_during_turn=c["ends_during_turn"],
         mismatched=c["mismatched"], phantom=c["phantom"], changed_after_end=c["changed_after_end"],
         stuck=c["stuck"], hung=c["hung"], unverified=c["unverified"], faults={}, trainer_exits=0,
         evidence=findings.evidence)

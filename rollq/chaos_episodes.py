@@ -253,8 +253,11 @@ def render(summary: EpisodeSummary) -> None:
     for line in summary.evidence:
         console.print(f"[red]{line}[/red]")
     console.print(f"[bold {colour}]turns served {summary.turns_served} (episodes {summary.episodes}, "
-                  f"branches {summary.branches}): lost {summary.lost}, doubled {summary.doubled}, "
-                  f"mismatched {summary.mismatched}, phantom {summary.phantom}, changed after end "
-                  f"{summary.changed_after_end}, stuck {summary.stuck}, hung {summary.hung}[/bold {colour}]")
-    console.print(f"unanswered calls {summary.turns_unanswered}; unverified branches {summary.unverified}; "
-                  f"faults {summary.faults}; trainer exits {summary.trainer_exits}; seed {summary.seed}")
+                  f"branches {summary.branches}): lost {summary.lost} ({summary.lost_during_end} while "
+                  f"end() was called), doubled {summary.doubled}, mismatched {summary.mismatched}, "
+                  f"phantom {summary.phantom}, changed after end {summary.changed_after_end}, stuck "
+                  f"{summary.stuck}, hung {summary.hung}[/bold {colour}]")
+    console.print(f"turns by trainer {summary.turns_by_trainer}; ends during a turn "
+                  f"{summary.ends_during_turn}; unanswered calls {summary.turns_unanswered}; unverified "
+                  f"branches {summary.unverified}; faults {summary.faults}; trainer exits "
+                  f"{summary.trainer_exits}; seed {summary.seed}")

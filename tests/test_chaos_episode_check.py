@@ -48,6 +48,12 @@ def test_each_fault_is_counted():
 
     refused = [*journal[:3], {"k": "refused", "u": TURN, "why": "failed"}]
     assert check({"t0": refused}, records).phantom == 1
+    # A failed start leaves its prompt (and nothing else) in the record: not a phantom...
+    failed_start = [journal[0], {"k": "refused", "u": START, "why": "expired"}]
+    prompt_only = {"state": "idle", "tokens": [START, 7], "mask": [0, 0], "turn_job": ""}
+    assert check({"t0": failed_start}, {("t0", "e.0"): prompt_only}).ok
+    # ... but samples after it are.
+    assert check({"t0": failed_start}, records).phantom == 2
 
     stuck = dict(records[("t0", "e.1")], state="running", turn_job="e.1.tabc")
     assert check({"t0": journal}, records | {("t0", "e.1"): stuck}).stuck == 1
@@ -58,7 +64,8 @@ def test_each_fault_is_counted():
                   {"k": "ok", "u": END, "out": ended}, journal[3]]
     grown = dict(records[("t0", "e.0")], state="ended")
     summary = check({"t0": during_end}, records | {("t0", "e.0"): grown})
-    assert summary.changed_after_end == 1 and summary.lost == 1
+    assert summary.changed_after_end == 1 and summary.lost == summary.lost_during_end == 1
+    assert summary.ends_during_turn == 1
     assert "while end() was called" in " ".join(summary.evidence)
 
     hung = [*journal[:3], {"k": "hung", "u": TURN}]
