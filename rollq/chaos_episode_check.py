@@ -201,9 +201,10 @@ def check(journals: dict[str, list[dict]], records: dict[tuple[str, str], dict])
     for (trainer, branch), record in records.items():
         if record["state"] == "running":
             inc = latest.get((trainer, branch))
+            last = inc.last_call if inc else "none journalled"
             findings.add("stuck", f"{trainer}/{branch}: still running turn {record['turn_job']} after "
-                                  "every trainer finished (its deadline long past); its last call: "
-                                  f"{inc.last_call if inc else 'none journalled'}")
+                                  f"every trainer finished (its deadline long past); its last call: {last}; "
+                                  f"its job: {record.get('job')}")
     c = findings.counts
     return EpisodeSummary(
         minutes=0, seed=0, episodes=sum(inc.index == 0 and bool(inc.served) for inc in every),

@@ -17,8 +17,9 @@ one `end()` returned, else the one left in Redis) at the turns' marker tokens an
 
 Faults: trainer SIGKILL (restarted with the same trainer id and owner: it `recover()`s), gateway
 SIGKILL (restarted with the same `--gateway-id`), worker SIGKILL (a replacement starts), Redis
-SIGKILL and restart (AOF, fsync always) after up to 1 s, and a Redis outage longer than redis-py's
-retries. Any count but `unverified` makes the exit code 1.
+SIGKILL and restart (AOF, fsync always) after up to 1 s, a Redis outage longer than redis-py's
+retries, and `CLIENT KILL` of every connection (lost replies, commands retried). Any count but
+`unverified` makes the exit code 1.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from redis.exceptions import RedisError
 from rich.console import Console
 
 from rollq.chaos_episode_check import EpisodeSummary, check
@@ -43,12 +45,13 @@ from rollq.chaos_episode_trainer import HTTP_TRAINER
 from rollq.chaos_trainer import POLICY
 from rollq.children import reap_group, stop_child, stop_children
 from rollq.faults import RedisProcess, reserved_port
-from rollq.protocol import unpack_tokens
+from rollq.protocol import Status, derived_trainer_id, unpack_tokens
 from rollq.queue.connection import connect
 from rollq.queue.keys import Keys
-from rollq.queue.names import EpisodeField
+from rollq.queue.names import EpisodeField, JobField
 
-FAULTS = ("trainer_sigkill", "gateway_sigkill", "worker_sigkill", "redis_restart", "redis_outage")
+FAULTS = ("trainer_sigkill", "gateway_sigkill", "worker_sigkill", "redis_restart", "redis_outage",
+          "client_kill")
 GATEWAY_ID = "chaosgw"
 console = Console()
 
@@ -165,8 +168,15 @@ async def _faults(run: _Run, until: float) -> None:
             run.spawn_worker()
         elif kind == "redis_restart":
             await asyncio.to_thread(run.redis.restart, run.rng.uniform(0.0, 1.0))
-        else:
+        elif kind == "redis_outage":
             await asyncio.to_thread(run.redis.restart, run.settings.outage_s)
+        else:  # every connection dropped: replies lost, commands retried by redis-py
+            admin = connect(run.redis.url)
+            try:
+                with contextlib.suppress(RedisError):
+                    await admin.client_kill_filter(_type="normal", skipme=True)
+            finally:
+                await admin.aclose()
 
 
 async def _watch(run: _Run, done: asyncio.Event) -> None:
@@ -240,9 +250,16 @@ async def _records(url: str) -> dict[tuple[str, str], dict]:
             def raw(f: EpisodeField, r=r) -> bytes:
                 return r.get(f.encode(), b"")
 
-            found[(trainer, branch)] = {
+            found[(trainer, branch)] = record = {
                 "state": raw(EpisodeField.STATE).decode(), "tokens": unpack_tokens(raw(EpisodeField.TOKENS)),
                 "mask": list(raw(EpisodeField.MASK)), "turn_job": raw(EpisodeField.TURN_JOB).decode()}
+            if record["state"] == "running":  # was its turn queued, and did it end? (for the evidence)
+                owner = GATEWAY_ID if trainer == HTTP_TRAINER else "chaos"
+                job = await redis.hgetall(keys.job(derived_trainer_id(trainer, "episodes", owner),
+                                                   record["turn_job"]))
+                record["job"] = ({k.decode(): v.decode() for k, v in job.items()
+                                  if k.decode() in (JobField.GROUPS, JobField.DONE, *Status.__args__)}
+                                 if job else "never queued")
     finally:
         await redis.aclose()
     return found

@@ -18,7 +18,7 @@ def test_short_episode_chaos_run_loses_doubles_and_strands_no_turn(tmp_path):
         assert summary[count] == 0, (count, summary["evidence"])
     # Every kind of fault happened, and turns were served through the client and the gateway.
     assert set(summary["faults"]) == {"trainer_sigkill", "gateway_sigkill", "worker_sigkill",
-                                      "redis_restart", "redis_outage"}
+                                      "redis_restart", "redis_outage", "client_kill"}
     assert summary["trainer_exits"] == 0
     assert set(summary["turns_by_trainer"]) == {"t0", "t1", "anonymous"}
     assert summary["turns_served"] > 100 and summary["turns_by_trainer"]["anonymous"] > 10
