@@ -58,7 +58,14 @@ class Unknown(Exception):
 
 class SdkDriver:
     def __init__(self, client: RolloutClient, owner: str):
+        self.client, self.owner = client, owner
         self.episodes = client.episodes(owner=owner)
+
+    async def _reopen(self) -> None:
+        """The object stopped (its owner lease was lost, e.g. in an outage): a trainer opens a
+        new one with the same owner, which applies what the old one left."""
+        old, self.episodes = self.episodes, self.client.episodes(owner=self.owner)
+        await old.close()
 
     async def call(self, op: str, branch: str, new: list[int], n: int, ep: str, ttl_s: int):
         try:
@@ -70,6 +77,9 @@ class SdkDriver:
                 return [(await self.episodes.turn(branch, new, deadline_s=DEADLINE_S)).tokens]
             return _record(await self.episodes.end(branch))
         except EpisodeError as e:
+            if e.reason == "owner":  # this object no longer reads the owner's results
+                await self._reopen()
+                raise Unknown(f"{e.reason}: {e}") from None
             raise Refused(f"{e.reason}: {e}") from None
         except InvalidInput as e:  # (an id still taken)
             raise Refused(str(e)) from None
@@ -79,7 +89,10 @@ class SdkDriver:
     async def get(self, branch: str):
         try:
             return _record(await self.episodes.get(branch))
-        except EpisodeError:
+        except EpisodeError as e:
+            if e.reason == "owner":
+                await self._reopen()
+                raise Unknown(str(e)) from None
             return None
         except (RedisError, OSError) as e:
             raise Unknown(repr(e)) from None
@@ -243,7 +256,7 @@ async def main(url: str, journal: Path, index: int, life: int, seed: int, stop: 
             try:
                 trainer.write(k="recovered", turns=await driver.episodes.recover(timeout_s=DEADLINE_S))
                 break
-            except RedisError as e:
+            except (RedisError, EpisodeError) as e:  # (the killed life's owner lease not lapsed yet)
                 trainer.write(k="recover-failed", why=repr(e), attempt=attempt)
                 await asyncio.sleep(2)
         await trainer.run()
