@@ -10,6 +10,8 @@ what the checker (`rollq/chaos_episodes.py`) compares with the episode records:
     {"k": "refused", "u": marker, "why": ...}    the service said nothing was added
     {"k": "unknown", "u": marker, "why": ...}    no answer (a kill, an outage, a timeout)
     {"k": "hung", "u": marker}                   no answer within the deadline + HANG_S
+    {"k": "abandon", "b": branch}                 still running long after a call without answer
+    {"k": "life"}, {"k": "recovered", ...}        a (re)start of the process, its recover()
     {"k": "stop"}                                 the trainer finished every episode it ran
 
 Every turn's new tokens are one marker token, unique across trainers and lives, so the checker
