@@ -138,8 +138,10 @@ class HttpDriver:
     async def get(self, branch: str):
         try:
             data = await self._request("GET", f"/{branch}")
-        except Refused:
-            return None
+        except Refused as e:
+            if str(e).startswith("404"):
+                return None
+            raise Unknown(str(e)) from None  # (409: a restarted gateway waits out its old lease)
         return {k: data[k] for k in ("state", "tokens", "mask", "turns")}
 
     async def close(self):
