@@ -16,8 +16,11 @@ by one script (`episode_apply.lua`), idempotent on the turn's job id. `n` branch
 turn is one group of n samples, and branch i (`<episode_id>.<i>`) continues from sample i.
 
 Turns are submitted as the derived trainer `<trainer>~episodes~<owner>`, whose results one router
-task of this object reads, applies and acknowledges. Name the owner to survive a restart: a new
-client's `recover()` applies the turns its predecessor left running. A turn goes to the worker
+task of this object reads, applies and acknowledges; the object holds its owner (a lease: a
+second live object with that owner is refused). Name the owner to survive a restart: the new
+object's first call (or `recover()`) applies the turns its predecessor left running and frees
+the ones it never queued. docs/reliability.md, Episodes, lists each fault and its
+test. A turn goes to the worker
 that served the previous one (its prefix cache holds the episode) while that worker is alive and
 serves the turn's version, through a work stream routed to it (`Keys.routed_work`); else to any
 worker.
@@ -26,8 +29,11 @@ worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import math
+import random
 import time
 import uuid
 from collections.abc import Sequence
@@ -51,6 +57,9 @@ from rollq.protocol import (
     VersionWindow,
     validate_n,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from rollq.queue.names import EpisodeField, EpisodeState, Reply
 from rollq.queue.workers import WorkerState
 
@@ -62,6 +71,9 @@ log = logging.getLogger("rollq.episodes")
 DEFAULT_TTL_S = 600
 """An episode record lives this long after its last turn began or ended."""
 MAX_EPISODE_ID_CHARS = 100
+OWNER_LEASE_S = 5.0
+"""The owner lease (one live object per owner), renewed by the result router about every second:
+a killed holder's lapses after this long."""
 _NOT_SAMPLED = -1
 """`token_versions` of a token the policy did not sample (prompt, tool output, user message)."""
 
@@ -69,10 +81,11 @@ _NOT_SAMPLED = -1
 class EpisodeError(Exception):
     """A turn or an end that cannot be done; `reason` is one of `unknown` (no such episode, or it
     expired), `running` (a turn is running), `ended`, `retired` (its version is gone) or `failed`
-    (the turn's group ended without samples: `GroupResult.reason` says why)."""
+    (the turn's group ended without samples: `GroupResult.reason` says why) or `owner` (another
+    live object or gateway holds this object's owner)."""
 
     def __init__(self, episode_id: str, reason: str, message: str):
-        super().__init__(f"episode {episode_id!r}: {message}")
+        super().__init__(f"episode {episode_id!r}: {message}" if episode_id else message)
         self.episode_id = episode_id
         self.reason = reason
 
@@ -155,17 +168,27 @@ def _token_ids(field: str, ids: Sequence[int]) -> list[int]:
 
 
 def _start_job(episode_id: str) -> str:
-    return f"{episode_id}.t0"
+    # Fresh per start: a job id lives `job_ttl_s` (a day), an episode id only `ttl_s`, so an id
+    # reused after its record expired must not name the old start's job (its enqueue would be
+    # taken as a repeat and queue nothing).
+    return f"{episode_id}.t0{uuid.uuid4().hex[:12]}"
 
 
-def _turn_job(branch: str) -> str:
-    return f"{branch}.t{uuid.uuid4().hex[:12]}"
+def _turn_job(branch: str, turn_id: str | None = None) -> str:
+    if turn_id is None:
+        return f"{branch}.tn{uuid.uuid4().hex[:12]}"
+    check_id("turn_id", turn_id)  # any length: hashed into the job id
+    return f"{branch}.tn{hashlib.sha256(turn_id.encode()).hexdigest()[:20]}"
+
+
+_TurnRecord = tuple[list[int], Sample, str, int]
+"""`EpisodeField.LAST_TURN`: (new tokens, sample, worker, version)."""
 
 
 def _job_episode(job_id: str) -> tuple[str, bool]:
     """(the episode or branch a turn's job belongs to, whether it is the start's job)."""
     head, _, tail = job_id.rpartition(".t")
-    return head, tail == "0"
+    return head, tail.startswith("0")
 
 
 def _version_at(segments: list[tuple[int, int]], k: int) -> int:
@@ -193,6 +216,13 @@ class Episodes:
         self._waiting: dict[str, tuple[list[str], list[int], asyncio.Future]] = {}
         self._router: asyncio.Task | None = None
         self._stopping = False
+        self.owner_lease_s = OWNER_LEASE_S
+        self._token = uuid.uuid4().hex
+        self._opened: asyncio.Task | None = None
+        self._renewed = 0.0
+        self._inflight: set[str] = set()
+        """Turn jobs of this object between their episode_start/turn and their enqueue."""
+        self._adopted = 0
 
     async def close(self) -> None:
         self._stopping = True
@@ -203,6 +233,78 @@ class Episodes:
         for *_, waiter in self._waiting.values():
             if not waiter.done():
                 waiter.cancel()
+        if self._opened is not None and self._opened.done() and not self._opened.exception():
+            # The next object with this owner need not wait for the lease to lapse.
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+                await self._hold(0)
+
+    # --- one owner, one reader ---------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Hold the owner and start applying its results (every call does this first; a gateway
+        calls it at start-up for the owners it had)."""
+        await self._ready()
+
+    async def _ready(self) -> None:
+        """Before any call: hold the owner lease, run the result router (which also applies the
+        turns an earlier holder left running) and free the turns it left unsubmitted."""
+        if self._opened is None or (self._opened.done() and self._opened.exception()):
+            self._opened = asyncio.create_task(self._open(), name="episodes-open")
+        await asyncio.shield(self._opened)
+        if self._router is None or self._router.done():
+            error = self._router.exception() if self._router else None
+            if isinstance(error, EpisodeError):
+                raise error
+            await self._claim()  # the router stopped when idle and left the lease to lapse
+            if self._router is None or self._router.done():  # (another call may have restarted it)
+                self._router = asyncio.create_task(self._route(), name="episode-results")
+
+    async def _open(self) -> int:
+        await self._claim()
+        self._router = asyncio.create_task(self._route(), name="episode-results")
+        return await self._free_unsubmitted()
+
+    async def _claim(self) -> None:
+        # A holder killed a moment ago leaves its lease up to `owner_lease_s`: wait that out.
+        give_up = time.monotonic() + self.owner_lease_s * 1.5
+        while not await self._hold():
+            if time.monotonic() >= give_up:
+                raise EpisodeError("", "owner", f"owner {self.owner!r} of trainer {self.trainer!r} "
+                                   "is held by another live Episodes object or gateway: one object "
+                                   "reads an owner's results; close that one or use another owner")
+            await asyncio.sleep(0.2)
+
+    async def _hold(self, lease_ms: int | None = None) -> bool:
+        """Take or renew the owner lease (0: give it up); False when another token holds it."""
+        ms = int(self.owner_lease_s * 1000) if lease_ms is None else lease_ms
+        held = await self.client.scripts.episode_owner(
+            keys=[self.keys.episode_owner(self._submitter.trainer_id)], args=[self._token, ms],
+            client=self.client.redis)
+        self._renewed = time.monotonic()
+        return int(held) == 1
+
+    async def _free_unsubmitted(self) -> int:
+        """Free this owner's running turns whose job was never queued (an earlier holder died
+        between the record's change and the enqueue): each becomes idle, its reason recorded."""
+        redis, mine, sub = self.client.redis, self.keys.episode(self.trainer, ""), self._submitter.trainer_id
+        stale: dict[str, list[str]] = {}
+        for key in await redis.zrange(self.keys.episodes, 0, -1):
+            key = _text(key)
+            if not key.startswith(mine):
+                continue
+            state, job, submitter = await redis.hmget(key, EpisodeField.STATE, EpisodeField.TURN_JOB,
+                                                      EpisodeField.SUBMITTER)
+            job = _text(job)
+            if _text(state) == EpisodeState.RUNNING and _text(submitter) == sub and job \
+                    and job not in self._inflight:
+                stale.setdefault(job, []).append(key)
+        freed = 0
+        for job, records in stale.items():
+            freed += await self.client.scripts.episode_unsubmitted(
+                keys=[self.keys.episodes, self.keys.job(sub, job), *records],
+                args=[job, "not submitted: its client stopped before queuing the turn"],
+                client=redis)
+        return freed
 
     def _key(self, episode_id: str) -> str:
         return self.keys.episode(self.trainer, check_id("episode_id", episode_id))
@@ -240,36 +342,52 @@ class Episodes:
         branches = [f"{episode_id}.{i}" for i in range(n)]
         job_id = _start_job(episode_id)
         arrays = _added(prompt, None)
-        reply = await self.client.scripts.episode_start(
-            keys=[self.keys.episodes, *map(self._key, branches)],
-            args=[self.trainer, encode(settings), lo, "" if hi is None else hi,
-                  "" if staleness is None else staleness, int(move), ttl_s, job_id,
-                  time.time(), *arrays], client=self.client.redis)
+        await self._ready()
+        self._inflight.add(job_id)
+        try:
+            reply = await self.client.scripts.episode_start(
+                keys=[self.keys.episodes, *map(self._key, branches)],
+                args=[self.trainer, encode(settings), lo, "" if hi is None else hi,
+                      "" if staleness is None else staleness, int(move), ttl_s, job_id,
+                      time.time(), *arrays, self._submitter.trainer_id], client=self.client.redis)
+        except BaseException:
+            self._inflight.discard(job_id)
+            raise
         if _text(reply) == Reply.DUP:
+            self._inflight.discard(job_id)
             raise InvalidInput("episode_id", f"{episode_id!r} is taken (an episode of this trainer)")
         return await self._run(episode_id, job_id, branches, [], prompt, n, settings,
                                (lo, hi, staleness), deadline_s)
 
     async def turn(self, episode_id: str, new_tokens: Sequence[int], *,
-                   max_tokens: int | None = None, deadline_s: float | None = None) -> Turn:
+                   max_tokens: int | None = None, deadline_s: float | None = None,
+                   turn_id: str | None = None) -> Turn:
         """Append `new_tokens` (a tool's output, a user message: not sampled, masked out) and
-        sample the policy's reply from the exact token ids of everything before."""
+        sample the policy's reply from the exact token ids of everything before.
+
+        `turn_id` (your name for this turn, e.g. an HTTP request's retry key): the turn sent again
+        with it is not appended twice: while it runs, the call waits for it; once served (and
+        until the next turn is), it gets the same Turn back. Without it every call is a new turn."""
         new_tokens = _token_ids("new_tokens", new_tokens)
         key = self._key(episode_id)
-        fields = await self.client.redis.hmget(key, EpisodeField.SAMPLING, EpisodeField.MIN_VERSION,
-                                               EpisodeField.MAX_VERSION, EpisodeField.MAX_STALENESS,
-                                               EpisodeField.MOVE, EpisodeField.VERSION,
-                                               EpisodeField.WORKER)
-        if fields[0] is None:
-            raise EpisodeError(episode_id, "unknown", "no such episode of this trainer (unknown, "
-                                                      "or expired: start a new one)")
-        version = int(fields[5]) if fields[5] else None
-        move = fields[4] == b"1"
-        job_id = _turn_job(episode_id)
-        reply = await self.client.scripts.episode_turn(
-            keys=[key, self.keys.episodes], args=[self.trainer, job_id],
-            client=self.client.redis)
+        await self._ready()
+        job_id = _turn_job(episode_id, turn_id)
+        if job_id in self._waiting:  # sent again while it runs in this object: wait for it
+            return await self._rejoin(episode_id, job_id)
+        self._inflight.add(job_id)
+        try:
+            reply = await self.client.scripts.episode_turn(
+                keys=[key, self.keys.episodes], args=[self.trainer, job_id, self._submitter.trainer_id],
+                client=self.client.redis)
+        except BaseException:
+            self._inflight.discard(job_id)
+            raise
         word = Reply(_text(reply[0]))
+        if word is not Reply.OK:
+            self._inflight.discard(job_id)
+        if word is Reply.DUP:
+            added, sample, worker_id, version = msgspec.msgpack.decode(reply[1], type=_TurnRecord)
+            return Turn(episode_id, added, sample, worker_id, version)
         if word is Reply.GONE:
             raise EpisodeError(episode_id, "unknown", "no such episode of this trainer (unknown, "
                                                       "or expired: start a new one)")
@@ -278,14 +396,19 @@ class Episodes:
         if word is Reply.BUSY:
             raise EpisodeError(episode_id, "running", f"its turn {_text(reply[1])} is still running; "
                                                       "wait for it before sending the next")
-        settings = msgspec.msgpack.decode(fields[0], type=Sampling)
+        # Everything the turn needs comes from episode_turn's one read: a start or turn applied
+        # between a separate read and the script would give this turn a window it must not have.
+        tokens, version, _, sampling, lo, hi, staleness, move, worker = reply[1:10]
+        version = int(version) if version else None
+        move = move == b"1"
+        settings = msgspec.msgpack.decode(sampling, type=Sampling)
         if max_tokens is not None:
             settings = msgspec.structs.replace(settings, max_tokens=max_tokens)
-        prompt = unpack_tokens(reply[1]) + new_tokens
-        window = _window(_text(fields[1]), _text(fields[2]), _text(fields[3]), version, move)
+        prompt = unpack_tokens(tokens) + new_tokens
+        window = _window(_text(lo), _text(hi), _text(staleness), version, move)
         try:
             [done] = await self._run(episode_id, job_id, [episode_id], new_tokens, prompt, 1, settings,
-                                     window, deadline_s, _text(fields[6]) if self.affinity else None)
+                                     window, deadline_s, _text(worker) if self.affinity else None)
         except EpisodeError as e:
             # Version 0 (the start-up model) is never registered: a version above it, older than
             # the newest and no longer registered, was retired.
@@ -301,7 +424,9 @@ class Episodes:
                 and await self.client.registry.get(version) is None)
 
     async def end(self, episode_id: str) -> Episode:
-        """End the episode (no more turns; its version is no longer kept for it) and return it."""
+        """End the episode (no more turns; its version is no longer kept for it) and return it.
+        A turn running now is discarded when it finishes (its `turn()` raises `ended`): the
+        record returned is the episode's last."""
         reply = await self.client.scripts.episode_end(keys=[self._key(episode_id), self.keys.episodes],
                                                       args=[self.trainer], client=self.client.redis)
         if Reply(_text(reply)) is Reply.GONE:
@@ -328,23 +453,49 @@ class Episodes:
 
     # --- a turn's job and its result ---------------------------------------------------------
 
+    async def _rejoin(self, episode_id: str, job_id: str) -> Turn:
+        _, new_tokens, waiter = self._waiting[job_id]
+        result, applied = await asyncio.shield(waiter)
+        if result.status != "ok" or not applied:
+            raise EpisodeError(episode_id, "failed" if result.status != "ok" else "ended",
+                               f"its turn ended {result.status}: {result.reason}")
+        s = result.samples[0]
+        return Turn(episode_id, new_tokens, s, result.worker_id, s.versions[-1][0] if s.versions else 0)
+
     async def _run(self, episode_id: str, job_id: str, branches: list[str], new_tokens: list[int],
                    prompt: list[int], n: int, settings: Sampling, window,
                    deadline_s: float | None, route: str | None = None) -> list[Turn]:
         waiter = asyncio.get_running_loop().create_future()
         self._waiting[job_id] = (branches, new_tokens, waiter)
-        if self._router is None or self._router.done():
-            self._router = asyncio.create_task(self._route(), name="episode-results")
         try:
             await self._submit(job_id, prompt, n, settings, window, deadline_s, route)
         except BaseException as e:
             self._waiting.pop(job_id, None)
-            await self._apply(job_id, branches, new_tokens, None, f"not submitted: {e}")
+            self._inflight.discard(job_id)
+            # Freed only if the job is not queued (a lost reply may hide an enqueue that landed:
+            # then its result, adopted by the router, ends the turn).
+            await self.client.scripts.episode_unsubmitted(
+                keys=[self.keys.episodes, self.keys.job(self._submitter.trainer_id, job_id),
+                      *map(self._key, branches)], args=[job_id, f"not submitted: {e}"],
+                client=self.client.redis)
             raise
-        result: GroupResult = await waiter
+        self._inflight.discard(job_id)
+        last = EpisodeField.LAST_TURN_JOB
+        if n == 1 and not waiter.done() \
+                and await self.client.redis.hget(self._key(branches[0]), last) == job_id.encode():
+            # A turn sent again (its turn_id) whose first send's result was applied between
+            # its episode_turn and now: no result will come for this call; the record has it.
+            self._waiting.pop(job_id, None)
+            raw = await self.client.redis.hget(self._key(branches[0]), EpisodeField.LAST_TURN)
+            added, sample, worker_id, version = msgspec.msgpack.decode(raw, type=_TurnRecord)
+            return [Turn(episode_id, added, sample, worker_id, version)]
+        result, applied = await waiter
         if result.status != "ok" or len(result.samples) != n:
             raise EpisodeError(episode_id, "failed", f"its turn ended {result.status}: {result.reason} "
                                                      "(nothing was added; send the turn again or end it)")
+        if not applied:
+            raise EpisodeError(episode_id, "ended", "it was ended while this turn ran: the turn was "
+                                                    "discarded (the record is as end() returned it)")
         return [Turn(b, new_tokens, s, result.worker_id, s.versions[-1][0] if s.versions else 0)
                 for b, s in zip(branches, result.samples)]
 
@@ -379,7 +530,7 @@ class Episodes:
         return stream
 
     async def _apply(self, job_id: str, branches: list[str], new_tokens: list[int],
-                     result: GroupResult | None, reason: str = "") -> None:
+                     result: GroupResult | None, reason: str = "") -> int:
         served = result is not None and result.status == "ok" and len(result.samples) == len(branches)
         args: list[Any] = [job_id]
         for i, _ in enumerate(branches):
@@ -387,9 +538,11 @@ class Episodes:
             version = sample.versions[-1][0] if sample and sample.versions else 0
             why = reason or (f"{result.status}: {result.reason}" if result else "")
             args += [int(served), version, result.worker_id if result else "", why,
-                     *_added(new_tokens, sample if served else None)]
-        await self.client.scripts.episode_apply(keys=[self.keys.episodes, *map(self._key, branches)],
-                                                args=args, client=self.client.redis)
+                     *_added(new_tokens, sample if served else None),
+                     msgspec.msgpack.encode((new_tokens, sample, result.worker_id, version))
+                     if served else b""]
+        return int(await self.client.scripts.episode_apply(
+            keys=[self.keys.episodes, *map(self._key, branches)], args=args, client=self.client.redis))
 
     async def _route(self) -> None:
         try:
@@ -401,27 +554,61 @@ class Episodes:
             raise
 
     async def _route_results(self) -> None:
+        from rollq.queue import jobs
+
         """Read the turns' results, apply each to its episodes, then acknowledge it and wake its
-        caller. A result nobody waits for (a turn of a client that stopped, with this owner) is
-        applied to its episode all the same (`_adopt`)."""
-        while self._waiting and not self._stopping:
-            results = await self._submitter.arrived(max_count=64, block_s=0.5, ack="manual")
-            for result in results:
-                found = self._waiting.pop(result.job_id, None)
-                if found is None:
-                    await self._adopt(result)
-                else:
-                    branches, new_tokens, waiter = found
-                    try:
-                        await self._apply(result.job_id, branches, new_tokens, result)
-                    except Exception as e:  # noqa: BLE001 (the caller sees it)
-                        if not waiter.done():
-                            waiter.set_exception(e)
-                    else:
-                        if not waiter.done():
-                            waiter.set_result(result)
-            if results:
-                await self._submitter.ack(results)
+        caller; renew the owner lease on the way. A result nobody waits for (a turn of an earlier
+        holder of this owner) is applied all the same (`_adopt`). Redis unreachable for longer
+        than the client's retries: the results read are kept and applied when it is back, never
+        acknowledged before (a result acknowledged unapplied would be lost for good)."""
+        unapplied: list[GroupResult] = []
+        delay, busy = 0.1, time.monotonic()
+        while not self._stopping:
+            try:
+                if time.monotonic() - self._renewed >= self.owner_lease_s / 5 and not await self._hold():
+                    raise EpisodeError("", "owner", f"owner {self.owner!r} was taken over while "
+                                       "Redis was unreachable longer than its lease; this object stops")
+                if not unapplied:
+                    unapplied = await self._submitter.arrived(max_count=64, block_s=0.5, ack="manual")
+                if unapplied or self._waiting or self._inflight:
+                    busy = time.monotonic()
+                elif time.monotonic() - busy >= self.owner_lease_s and not await jobs.outstanding(
+                        self.client.redis, self.keys, self._submitter.trainer_id) \
+                        and not self._waiting and not self._inflight:
+                    # Idle (nothing waits, nothing of this owner's is out): stop, and let the lease
+                    # lapse (no await after this check: a call now restarts the router, re-taking
+                    # the lease). An idle object costs Redis nothing.
+                    return
+                while unapplied and not self._stopping:  # left pending at close: the next holder's
+                    await self._deliver(unapplied[0])
+                    done = unapplied.pop(0)
+                    await self._submitter.ack([done])
+                delay = 0.1
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                log.warning("episode results of %s: Redis unreachable (%s); retrying", self.owner, e)
+                self._submitter._reader.replay()  # a lost reply may have carried results
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 2.0)
+
+    async def _deliver(self, result: GroupResult) -> None:
+        """Apply one result and wake its caller (a result applied before is a no-op)."""
+        found = self._waiting.get(result.job_id)
+        if found is None:
+            self._adopted += await self._adopt(result)
+            return
+        branches, new_tokens, waiter = found
+        try:
+            applied = await self._apply(result.job_id, branches, new_tokens, result)
+        except (RedisConnectionError, RedisTimeoutError):
+            raise
+        except Exception as e:  # noqa: BLE001 (the caller sees it)
+            self._waiting.pop(result.job_id, None)
+            if not waiter.done():
+                waiter.set_exception(e)
+            return
+        self._waiting.pop(result.job_id, None)
+        if not waiter.done():
+            waiter.set_result((result, applied))
 
     async def _adopt(self, result: GroupResult) -> bool:
         """Apply a turn's result that no caller waits for; False if its episode no longer runs
@@ -451,25 +638,27 @@ class Episodes:
         return True
 
     async def recover(self, *, timeout_s: float = 60.0) -> int:
-        """After a restart: apply the turns this owner's earlier client started and no longer
-        waits for (open this object with the same `owner`: the turns' results come back on its
-        stream). Waits up to `timeout_s` for turns still running; returns how many it applied.
-        Each such episode is then idle (a failed turn's reason recorded) and takes turns again."""
+        """After a restart: apply the turns this owner's earlier client left running (open this
+        object with the same `owner`: the turns' results come back on its stream), and free the
+        ones it never queued. Waits up to `timeout_s` for the owner lease (a killed holder's
+        lapses within `OWNER_LEASE_S`) and for turns still running; returns how many it applied
+        or freed. Each such episode is then idle (a failed turn's reason recorded) and takes
+        turns again. Any call of this object does the same; recover() also waits for them."""
         from rollq.queue import jobs
 
         if self._waiting:
             raise RuntimeError("recover() is for a fresh Episodes object: this one has turns running")
-        applied, give_up = 0, time.monotonic() + timeout_s
-        submitter = self._submitter
-        while time.monotonic() < give_up:
-            results = await submitter.arrived(max_count=64, block_s=0.2, ack="manual")
-            for result in results:
-                applied += await self._adopt(result)
-            if results:
-                await submitter.ack(results)
-            elif not await jobs.outstanding(self.client.redis, self.keys, submitter.trainer_id):
+        give_up, adopted = time.monotonic() + timeout_s, self._adopted
+        freed = 0
+        if self._opened is None or not self._opened.done() or self._opened.exception():
+            await self._ready()
+            freed = int(self._opened.result() or 0)
+        while time.monotonic() < give_up:  # the router applies them; polled, not awaited: the
+            # turns are another process's, known only by the derived trainer's counter
+            if not await jobs.outstanding(self.client.redis, self.keys, self._submitter.trainer_id):
                 break
-        return applied
+            await asyncio.sleep(0.1)
+        return self._adopted - adopted + freed
 
 
 CONTINUATION_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})

@@ -129,7 +129,7 @@ async def test_a_start_or_turn_whose_reply_was_lost_is_retried_not_refused(make_
     [first] = await episodes.start([1, 2], sampling=SAMPLING, episode_id="lost")
     assert dropped == [b"ok"]
     dropped = drop_a_reply(monkeypatch, client.redis, "EVALSHA",
-                           lambda reply: isinstance(reply, list) and len(reply) == 4)
+                           lambda reply: isinstance(reply, list) and len(reply) == 10)
     turn = await episodes.turn(first.episode_id, [3])
     assert dropped and dropped[0][0] == b"ok"
     record = await episodes.get(first.episode_id)
@@ -149,6 +149,8 @@ async def test_a_restarted_client_recovers_the_turns_its_predecessor_left_runnin
     turn = asyncio.create_task(before.turn(first.episode_id, [21]))
     await wait_until(lambda: before.get(first.episode_id), what="the record")
     await wait_until(lambda: _running(before, first.episode_id), what="the turn to run")
+    sub = before._submitter
+    await wait_until(lambda: jobs.outstanding(sub.redis, sub.keys, sub.trainer_id), what="it queued")
     turn.cancel()
     await before.close()  # the trainer is gone before the turn's result arrives
 

@@ -5,10 +5,17 @@ A turn sends `tokens` (ids to append) or `messages` (a tool's output, a user mes
 need the gateway's `--tokenizer`: they become the template's continuation after the last reply
 (`rollq.episodes.chat_continuation`), never a re-rendering of earlier turns. The first turn's
 `messages` are rendered whole (with the generation prompt).
+
+Each Episodes here has the owner `--gateway-id`, and holds it (one live reader per owner): a
+second gateway with the same id is refused (409, reason `owner`). A gateway restarted with the
+same id takes its episodes over at start-up (`lifetime`): the turns its predecessor left running
+are applied when their results arrive, the ones it never queued are freed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 from typing import Any
 
@@ -18,10 +25,13 @@ from aiohttp import web
 from rollq.episodes import Episode, EpisodeError, Episodes, Turn, chat_continuation
 from rollq.gateway.api import _context
 from rollq.gateway.http import ApiError, read_body, reply
-from rollq.gateway.state import Gateway
-from rollq.protocol import InvalidInput, VersionWindow
+from rollq.gateway.state import GATEWAY, Gateway
+from rollq.protocol import DERIVED_SEPARATOR, InvalidInput, VersionWindow
 from rollq.queue.keys import Keys
 from rollq.queue.workers import live_workers
+from rollq.status import policies
+
+log = logging.getLogger("rollq.gateway.episodes")
 
 
 class EpisodeStartRequest(VersionWindow, kw_only=True, forbid_unknown_fields=True):
@@ -42,6 +52,8 @@ class EpisodeStartRequest(VersionWindow, kw_only=True, forbid_unknown_fields=Tru
 
 
 class EpisodeTurnRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    turn_id: str | None = None
+    """Your key for this turn: sent again (a retry), it is not appended twice (`Episodes.turn`)."""
     tokens: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = None
@@ -92,7 +104,7 @@ def episode_view(e: Episode) -> EpisodeView:
                        e.turns, e.worker, e.reason)
 
 
-STATUS = {"unknown": 404, "running": 409, "ended": 409, "retired": 410, "failed": 422}
+STATUS = {"unknown": 404, "running": 409, "ended": 409, "retired": 410, "failed": 422, "owner": 409}
 """HTTP status of each EpisodeError reason."""
 
 EPISODES = web.AppKey("episodes", dict)
@@ -108,11 +120,37 @@ async def _served(gw: Gateway, policy: str) -> None:
 
 def _episodes(request: web.Request) -> tuple[Gateway, Episodes]:
     gw, policy, who = _context(request)
-    made = request.app[EPISODES]
-    key = (policy, who.trainer)
+    return gw, _made(request.app, gw, policy, who.trainer)
+
+
+def _made(app: web.Application, gw: Gateway, policy: str, trainer: str) -> Episodes:
+    """The (policy, trainer) Episodes of this gateway; a new one starts applying its owner's
+    results at once (a GET must not wait for it: a predecessor's lease may take seconds)."""
+    made = app[EPISODES]
+    key = (policy, trainer)
     if key not in made:
-        made[key] = Episodes(gw.client(policy, who.trainer), owner=gw.settings.gateway_id)
-    return gw, made[key]
+        made[key] = Episodes(gw.client(policy, trainer), owner=gw.settings.gateway_id)
+        asyncio.get_running_loop().create_task(_opened(made[key]), name="episodes-open")
+    return made[key]
+
+
+async def _opened(episodes: Episodes) -> None:
+    try:
+        await episodes.open()
+    except Exception as e:  # noqa: BLE001 (its requests see it again: each call opens first)
+        log.warning("episodes of %s on %s: %s", episodes.trainer, episodes.keys.policy, e)
+
+
+async def _take_over(app: web.Application) -> None:
+    """Open the Episodes of every trainer whose episode turns this gateway id submitted (a
+    restarted gateway's predecessor's): their results are applied without waiting for a request."""
+    gw = app[GATEWAY]
+    mine = f"{DERIVED_SEPARATOR}episodes{DERIVED_SEPARATOR}{gw.settings.gateway_id}"
+    for policy in gw.settings.policies or await policies(gw.redis):
+        for member in await gw.redis.smembers(Keys(policy).trainers):
+            name = member.decode()
+            if name.endswith(mine) and name.count(DERIVED_SEPARATOR) == 2:
+                _made(app, gw, policy, name[:-len(mine)])
 
 
 def _tokens(gw: Gateway, tokens: list[int] | None, messages: list[dict[str, Any]] | None,
@@ -161,7 +199,7 @@ async def episode_turn(request: web.Request) -> web.Response:
     new = _tokens(gw, body.tokens, body.messages, body.chat_template_kwargs, first=False)
     await _served(gw, episodes.keys.policy)
     turn = await _guarded(episode_id, episodes.turn(episode_id, new, max_tokens=body.max_tokens,
-                                                    deadline_s=body.deadline_s))
+                                                    deadline_s=body.deadline_s, turn_id=body.turn_id))
     return reply(request, turn_view(turn))
 
 
@@ -178,7 +216,12 @@ async def end_episode(request: web.Request) -> web.Response:
 
 
 async def lifetime(app: web.Application):
-    """cleanup_ctx: close every Episodes (their result routers) when the app stops."""
+    """cleanup_ctx: take this gateway id's episodes over at start-up; close every Episodes
+    (their result routers and owner leases) when the app stops."""
+    try:
+        await _take_over(app)
+    except Exception as e:  # noqa: BLE001 (Redis down at start-up: requests open them later)
+        log.warning("episodes: could not take over this gateway's episodes at start-up: %s", e)
     yield
     for episodes in app[EPISODES].values():
         await episodes.close()

@@ -148,6 +148,11 @@ class Keys:
         `names.EpisodeField`); expires `ttl_s` after its last turn began or ended."""
         return f"{self._p}:episode:{trainer}:{episode_id}"
 
+    def episode_owner(self, submitter: str) -> str:
+        """String with a PX expiry: the token of the one live `Episodes` object reading the
+        results of `submitter` (a derived trainer `<trainer>~episodes~<owner>`)."""
+        return f"{self._p}:episode-owner:{submitter}"
+
     @property
     def episodes(self) -> str:
         """Sorted set episode key -> expiry (unix s): the live episodes, whose versions retention

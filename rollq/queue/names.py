@@ -141,6 +141,13 @@ class EpisodeField(StrEnum):
     CREATED_AT = "created_at"
     REASON = "reason"
     """Why the last turn did not extend the episode ('' when it did)."""
+    LAST_TURN_JOB = "last_turn_job"
+    """The job id of the last turn served: a turn sent again with its `turn_id` is answered
+    from `last_turn` instead of being appended twice."""
+    LAST_TURN = "last_turn"
+    """msgpack (new tokens, Sample, worker, version) of that turn."""
+    SUBMITTER = "submitter"
+    """The (derived) trainer that queued the running turn: whose job record says it was queued."""
 
 
 STATUS_COUNTERS = tuple(JobField(s) for s in get_args(Status))

@@ -20,8 +20,8 @@ from rollq.queue.connection import Durability, check_replicated, durability, que
 from rollq.queue.names import lua_preamble
 
 NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish", "pin",
-         "retire", "episode_start", "episode_turn", "episode_apply", "episode_end", "route_prune",
-         "store_images")
+         "retire", "episode_start", "episode_turn", "episode_apply", "episode_end", "episode_unsubmitted",
+         "episode_owner", "route_prune", "store_images")
 
 
 @cache
@@ -57,6 +57,8 @@ class Scripts:
     episode_turn: AsyncScript
     episode_apply: AsyncScript
     episode_end: AsyncScript
+    episode_unsubmitted: AsyncScript
+    episode_owner: AsyncScript
     route_prune: AsyncScript
     store_images: AsyncScript
 

@@ -1,4 +1,5 @@
--- End an episode: no more turns, and its version is no longer kept for it.
+-- End an episode: no more turns, and its version is no longer kept for it. A turn running now is
+-- discarded when it finishes (episode_apply leaves an ended record as this call left it).
 -- KEYS: the episode record, episodes set.  ARGV: trainer.
 -- Returns REPLY_OK, REPLY_ENDED (ended before) or REPLY_GONE (unknown, expired, another's).
 local found = redis.call('HMGET', KEYS[1], EPISODE_TRAINER, EPISODE_STATE)

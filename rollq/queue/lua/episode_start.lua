@@ -1,7 +1,7 @@
 -- Start an episode of n branches, each a record whose first turn is running (the job ARGV[8]).
 -- KEYS: episodes set, then the n branch records.
 -- ARGV: trainer, sampling, min_version, max_version, max_staleness, move, ttl, turn job,
---       created_at, tokens, mask, logprobs, token versions (the prompt's).
+--       created_at, tokens, mask, logprobs, token versions (the prompt's), submitter.
 -- Returns REPLY_OK, or REPLY_DUP when a branch exists (the episode id is taken).
 -- Idempotent: the client retries a call whose reply a dropped connection lost; branches this very
 -- call made (same trainer, first turn job and created_at) are its own, not a taken id.
@@ -20,7 +20,8 @@ for i = 2, #KEYS do
     EPISODE_MAX_STALENESS, ARGV[5], EPISODE_MOVE, ARGV[6], EPISODE_TTL, ARGV[7],
     EPISODE_TURN_JOB, ARGV[8], EPISODE_CREATED_AT, ARGV[9], EPISODE_VERSION, '',
     EPISODE_TOKENS, ARGV[10], EPISODE_MASK, ARGV[11], EPISODE_LOGPROBS, ARGV[12],
-    EPISODE_TOKEN_VERSIONS, ARGV[13], EPISODE_TURNS, 0, EPISODE_WORKER, '', EPISODE_REASON, '')
+    EPISODE_TOKEN_VERSIONS, ARGV[13], EPISODE_TURNS, 0, EPISODE_WORKER, '', EPISODE_REASON, '',
+    EPISODE_SUBMITTER, ARGV[14])
   redis.call('EXPIRE', KEYS[i], ARGV[7])
   redis.call('ZADD', KEYS[1], redis.call('TIME')[1] + ARGV[7], KEYS[i])
 end

@@ -1,0 +1,95 @@
+"""A gateway SIGKILLed mid-turn and restarted with the same --gateway-id takes its episodes over
+at start-up: the turn its predecessor left running is applied without any request, and the
+episode takes turns again. A second live gateway with that id is refused (409 `owner`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+from gateway_fixtures import write_tokens
+from helpers import wait_until
+
+from rollq.faults import reserved_port
+from rollq.queue import jobs
+from rollq.queue.keys import Keys
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spawn_gateway(redis_url: str, tokens: Path, port: int, tmp_path: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollq", "gateway", "--redis-url", redis_url, "--tokens", str(tokens),
+         "--port", str(port), "--gateway-id", "gw-1", "--weight-store", str(tmp_path / "ws")],
+        env=os.environ | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def _up(http: aiohttp.ClientSession) -> bool:
+    try:
+        async with http.get("/health") as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+async def _state(http: aiohttp.ClientSession, path: str) -> str:
+    async with http.get(path) as r:
+        return (await r.json())["state"]
+
+
+async def test_a_gateway_killed_mid_turn_and_restarted_takes_its_episodes_over(
+        make_worker, redis, redis_url, policy, tmp_path):
+    tokens = write_tokens(tmp_path / "tokens.json", policy)
+    make_worker(delay_s=1.5)
+    port, gateways = reserved_port(), []
+    base = f"/v1/policies/{policy}/episodes"
+    derived = "alice~episodes~gw-1"
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}",
+                                         headers={"Authorization": f"Bearer {tokens['alice']}"}) as http:
+            gateways.append(spawn_gateway(redis_url, tmp_path / "tokens.json", port, tmp_path))
+            await wait_until(lambda: _up(http), what="the gateway")
+            async with http.post(base, json={"prompt": [5, 6], "episode_id": "e1",
+                                             "sampling": {"max_tokens": 4}}) as r:
+                assert r.status == 201, await r.text()
+                sequence = [5, 6, *(await r.json())["episodes"][0]["tokens"]]
+            turn = asyncio.ensure_future(http.post(f"{base}/e1.0/turns", json={"tokens": [7]}))
+            await wait_until(lambda: jobs.outstanding(redis, Keys(policy), derived), what="queued")
+            gateways[0].send_signal(signal.SIGKILL)
+            gateways[0].wait()
+            turn.cancel()
+            await wait_until(lambda: redis.xlen(Keys(policy).results(derived)), what="its result")
+            gateways.append(spawn_gateway(redis_url, tmp_path / "tokens.json", port, tmp_path))
+            await wait_until(lambda: _up(http), what="the restarted gateway")
+            # No turn request: the start-up take-over alone applies the turn.
+            await wait_until(lambda: _idle(http, f"{base}/e1.0"), what="the turn applied")
+            async with http.get(f"{base}/e1.0") as r:
+                record = await r.json()
+            assert record["turns"] == 2 and record["tokens"][:len(sequence) + 1] == sequence + [7]
+            async with http.post(f"{base}/e1.0/turns", json={"tokens": [8]}) as r:
+                assert r.status == 200, await r.text()
+            await wait_until(lambda: _acked(redis, policy, derived), what="every result acknowledged")
+
+            other = reserved_port()  # a second live gateway with the same id: refused
+            gateways.append(spawn_gateway(redis_url, tmp_path / "tokens.json", other, tmp_path))
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{other}", headers=http.headers) as second:
+                await wait_until(lambda: _up(second), what="the second gateway")
+                async with second.post(f"{base}/e1.0/turns", json={"tokens": [9]}) as r:
+                    assert r.status == 409 and "held by another live" in await r.text()
+    finally:
+        for gateway in gateways:
+            gateway.kill()
+            gateway.wait()
+
+
+async def _idle(http: aiohttp.ClientSession, path: str) -> bool:
+    return await _state(http, path) == "idle"
+
+
+async def _acked(redis, policy: str, trainer: str) -> bool:
+    return not await jobs.outstanding(redis, Keys(policy), trainer)
