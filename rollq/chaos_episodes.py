@@ -113,7 +113,7 @@ class _Run:
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
-    def wait_gateway(self, timeout_s: float = 60) -> None:
+    def wait_gateway(self, timeout_s: float = 180) -> None:  # (a loaded machine starts slowly)
         give_up = time.monotonic() + timeout_s
         while time.monotonic() < give_up and self.gateway.poll() is None:
             with contextlib.suppress(OSError), urllib.request.urlopen(
