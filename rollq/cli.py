@@ -355,20 +355,33 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
               help="Weight faults (publish storms with keep=1, corrupted, rewritten and truncated "
                    "files) against vLLM workers of a tiny model; every sample checked against "
                    "transformers under its labelled version.")
+@click.option("--episodes", is_flag=True,
+              help="Multi-turn episodes (n branches; one trainer through the gateway) under trainer, "
+                   "gateway, worker and Redis kills; every served turn looked for in its record.")
 @click.option("--seed", type=int, default=None, help="Random seed (printed; default: random).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the summary here.")
-def chaos(minutes: float, workers: int | None, weights: bool, seed: int | None,
+def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, seed: int | None,
           json_path: str | None) -> None:
     """Random worker kills and freezes, Redis restarts and killed connections while a trainer
     submits and publishes (or, with --weights, weight faults); exits non-zero if any group was
-    lost or delivered twice (--weights: or any token was labelled with the wrong version)."""
+    lost or delivered twice (--weights: or any token was labelled with the wrong version;
+    --episodes: or any turn was lost, applied twice, or left an episode running)."""
     import msgspec
 
     workers = workers if workers is not None else (2 if weights else 3)
     if not 0 < minutes <= 24 * 60 or not 1 <= workers <= 64:
         raise click.BadParameter("minutes must be in (0, 1440] and workers in [1, 64]")
-    if weights:
+    if weights and episodes:
+        raise click.BadParameter("--weights and --episodes are two runs: give one")
+    if episodes:
+        from rollq.chaos_episodes import EpisodeChaosSettings, chaos_episodes
+        from rollq.chaos_episodes import render as render_episodes
+
+        summary = asyncio.run(chaos_episodes(EpisodeChaosSettings(minutes=minutes, workers=workers,
+                                                                  seed=seed)))
+        render_episodes(summary)
+    elif weights:
         from rollq.chaos_weights import WeightChaosSettings, chaos_weights
         from rollq.chaos_weights import render as render_weights
 
