@@ -90,7 +90,7 @@ async def test_a_malformed_tool_fails_its_group_naming_the_field(tools, field):
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"stream": True}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream=True, as vLLM
     ({"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"),

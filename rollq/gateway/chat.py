@@ -24,6 +24,7 @@ from rollq.gateway.auth import allowed
 from rollq.gateway.completions import OpenAIRequest, shared_sampling
 from rollq.gateway.http import JSON, ApiError, read_body
 from rollq.gateway.state import GATEWAY
+from rollq.gateway.streaming import chat_chunks, respond
 from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling
 
 
@@ -45,7 +46,7 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=T
 
 
 def sampling_of(req: ChatCompletionRequest) -> Sampling:
-    unsupported = dict(stream=req.stream, echo=req.echo, logit_bias=req.logit_bias,
+    unsupported = dict(echo=req.echo, logit_bias=req.logit_bias,
                        response_format=req.response_format,
                        tool_choice=req.tool_choice not in (None, "none") and req.tool_choice)
     for name, value in unsupported.items():
@@ -58,7 +59,7 @@ def sampling_of(req: ChatCompletionRequest) -> Sampling:
     return Sampling(**shared_sampling(req, max_tokens), logprobs=req.top_logprobs or 0, return_text=True)
 
 
-async def chat_completions(request: web.Request) -> web.Response:
+async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     who = gw.tokens.principal(request)
     req = await read_body(request, ChatCompletionRequest)
@@ -85,6 +86,10 @@ async def chat_completions(request: web.Request) -> web.Response:
         field = e.field.replace("conversations[0].", "").replace("conversations[0]", "messages")
         field = "messages" if field == "chat" else field
         raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
+    if req.stream:
+        tokens = [len(s.token_ids) for s in result.samples]
+        return await respond(request, lambda: response(req, job_id, result),
+                             lambda body: chat_chunks(body, req.stream_options, tokens))
     body = response(req, job_id, result)
     return web.Response(body=msgspec.json.encode(body), content_type=JSON)
 

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from rollq import __version__
 from rollq.gateway.http import ApiError
+from rollq.gateway.streaming import StreamOptions
 from rollq.protocol import (GroupResult, InvalidInput, Sample, Sampling, SwapMode, VersionWindow,
                             unpack_floats, unpack_tokens)
 from rollq.queue.keys import Keys
@@ -53,6 +54,7 @@ class OpenAIRequest(VersionWindow, kw_only=True, forbid_unknown_fields=True):
     return_tokens_as_token_ids: bool = False
     echo: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # rollq's own: how long to wait (and the version window, inherited).
@@ -80,6 +82,8 @@ def shared_sampling(req: OpenAIRequest, max_tokens: int | None) -> dict[str, Any
                  repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                  frequency_penalty=req.frequency_penalty, seed=req.seed, stop_token_ids=req.stop_token_ids,
                  max_tokens=max_tokens)
+    if req.stream_options is not None and not req.stream:  # as vLLM
+        raise InvalidInput("stream_options", "can only be defined when `stream=True`")
     extra: dict[str, Any] = {}
     if req.ignore_eos:
         extra["ignore_eos"] = True
@@ -108,7 +112,7 @@ def prompts_of(prompt: Any) -> list[list[int] | str]:
 
 
 def sampling_of(req: CompletionRequest) -> Sampling:
-    unsupported = dict(stream=req.stream, suffix=req.suffix, logit_bias=req.logit_bias,
+    unsupported = dict(suffix=req.suffix, logit_bias=req.logit_bias,
                        best_of=req.best_of not in (None, req.n) and req.best_of)
     for name, value in unsupported.items():
         if value:
