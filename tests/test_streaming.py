@@ -86,3 +86,7 @@ async def test_stream_options_are_refused_without_stream_naming_the_field(make_g
                     error = (await r.json())["error"]
                     assert r.status == 400, error
                 assert error["param"] == "stream_options" and says in error["message"], (route, error)
+        request = {"model": policy, "prompt": [1, 2], "stream": True, "prompt_logprobs": 2}
+        async with http.post("/v1/completions", json=request) as r:  # as vLLM: not in its chunks
+            error = (await r.json())["error"]
+            assert r.status == 400 and error["param"] == "prompt_logprobs", error

@@ -123,6 +123,8 @@ def sampling_of(req: CompletionRequest) -> Sampling:
             raise InvalidInput("structured_outputs", "only {'regex': ...} is supported")
         regex = req.structured_outputs["regex"]
     prompt_logprobs = req.prompt_logprobs
+    if req.stream and prompt_logprobs not in (None, 0):  # as vLLM: its chunks have no such field
+        raise InvalidInput("prompt_logprobs", "is not available when `stream=True`")
     if prompt_logprobs is None and req.echo:  # as vLLM: echoed logprobs cover the prompt too
         prompt_logprobs = req.logprobs
     # A worker whose model has a tokenizer decodes (vLLM's own text and token strings, as its
