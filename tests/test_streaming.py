@@ -90,3 +90,33 @@ async def test_stream_options_are_refused_without_stream_naming_the_field(make_g
         async with http.post("/v1/completions", json=request) as r:  # as vLLM: not in its chunks
             error = (await r.json())["error"]
             assert r.status == 400 and error["param"] == "prompt_logprobs", error
+
+
+def test_tool_calls_stream_as_vllms_tool_call_deltas():
+    """A finished chat whose message has tool calls (as vLLM's parsers return them): each call is
+    one delta with its index, id, type, name and arguments; joined they are the message's calls,
+    and every chunk parses as vLLM's ChatCompletionStreamResponse."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
+
+    from rollq.gateway.streaming import StreamOptions, chat_chunks
+
+    calls = [{"id": f"chatcmpl-tool-{k}", "type": "function",
+              "function": {"name": f"f{k}", "arguments": f'{{"x": {k}}}'}} for k in range(2)]
+    message = dict(role="assistant", content=None, tool_calls=calls, reasoning=None)
+    body = dict(id="chatcmpl-1", object="chat.completion", created=7, model="m", system_fingerprint="fp",
+                usage=dict(prompt_tokens=5, completion_tokens=9, total_tokens=14, prompt_tokens_details=None),
+                choices=[dict(index=0, message=message, logprobs=None, finish_reason="tool_calls",
+                              stop_reason=None, token_ids=None)], prompt_token_ids=None, prompt_text=None)
+    chunks = list(chat_chunks(body, StreamOptions(include_usage=True), [9]))
+    for chunk in chunks:
+        ChatCompletionStreamResponse.model_validate(chunk)
+    role, finish, usage = chunks
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    [choice] = finish["choices"]
+    assert choice["finish_reason"] == "tool_calls" and "content" not in choice["delta"]
+    joined = join(chunks)[0]
+    assert [(c["id"], c["type"], c["name"], c["arguments"]) for c in joined["tool_calls"].values()] == [
+        (c["id"], "function", c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert usage == dict(id="chatcmpl-1", object="chat.completion.chunk", created=7, model="m", choices=[],
+                         usage=dict(prompt_tokens=5, completion_tokens=9, total_tokens=14),
+                         system_fingerprint="fp")
