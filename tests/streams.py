@@ -81,5 +81,7 @@ def shape(value):
     if isinstance(value, dict):
         return {k: shape(v) for k, v in sorted(value.items())}
     if isinstance(value, list):
-        return [shape(value[0])] if value and isinstance(value[0], dict) else "list"
+        # Completions' top_logprobs are maps from token strings: their keys are values here.
+        maps = all(isinstance(v, dict) and all(isinstance(x, float) for x in v.values()) for v in value if v)
+        return [shape(value[0])] if value and isinstance(value[0], dict) and not maps else "list"
     return None if value is None else "value"
