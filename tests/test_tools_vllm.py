@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from models import WEATHER_TOOL, make_tool_model
+from streams import join, sse
 from test_chat_vllm import VLLMServer, assert_same
 
 PARSER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
@@ -113,9 +114,19 @@ async def test_tool_calls_equal_vllms_own_server(gateway, vllm_server, policy):
             assert status == 400, (name, theirs)
             status, ours = await _post(http, gateway.url, body | {"model": policy}, gateway.headers())
             assert status == 400 and ours["error"]["message"], (name, ours)
-        streamed = BASE | {"model": policy, "stream": True}
-        status, ours = await _post(http, gateway.url, streamed, gateway.headers())
-        assert status == 400 and ours["error"]["param"] == "stream"
+        # Streamed (tools, tool_choice absent): the joined tool-call deltas and the finish reason
+        # equal vLLM's streamed ones (call ids aside: each server makes its own).
+        streamed = []
+        for url, model, headers in ((theirs_url, "tiny", None), (gateway.url, policy, gateway.headers())):
+            body = {k: v for k, v in BASE.items() if v is not None} | {"model": model, "stream": True}
+            chunks = await sse(http, f"{url}/v1/chat/completions", body, headers)
+            assert chunks[-1] == "[DONE]", chunks
+            [choice] = join(chunks[:-1]).values()
+            calls = [c for _, c in sorted(choice.get("tool_calls", {}).items())]
+            assert all(c.get("id") for c in calls), calls
+            streamed.append((choice["finish_reason"], [{k: v for k, v in c.items() if k != "id"}
+                                                       for c in calls]))
+        assert streamed[0] == streamed[1] and len(streamed[0][1]) == 2, streamed
     # What the cases compared: two parsed calls where vLLM parses, markup where it must not.
     absent = answers["tool_choice absent"]
     assert absent["finish_reason"] == "tool_calls" and absent["message"]["content"] is None

@@ -26,6 +26,7 @@ from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, 
                                   SubmitRequest, Submitted, VersionList, result_view, sample_view,
                                   version_view)
 from rollq.gateway.state import GATEWAY, Gateway
+from rollq.gateway.streaming import completion_chunks, respond
 from rollq.images import from_data_url
 from rollq.protocol import GroupResult, VersionEntry
 from rollq.queue import jobs
@@ -330,7 +331,7 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response(dict(object="list", data=data))
 
 
-async def completions(request: web.Request) -> web.Response:
+async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     who = gw.tokens.principal(request)
     data = await body_bytes(request)
@@ -348,6 +349,13 @@ async def completions(request: web.Request) -> web.Response:
 
     job_id = oai.new_job_id()
     results = await run_job(gw, policy, who, job_id, len(sent), req, submit)
+    if req.stream:
+        tokens = [(len(r.prompt_ids), len(s.token_ids)) for r in sorted(results, key=lambda r: r.group_index)
+                  for s in r.samples]
+        echoed = [r.prompt_ids for r in sorted(results, key=lambda r: r.group_index)
+                  for _ in r.samples] if req.echo else None
+        return await respond(request, lambda: oai.response(req, job_id, results, prompts, gw.words),
+                             lambda body: completion_chunks(body, req.stream_options, tokens, echoed))
     body = oai.response(req, job_id, results, prompts, gw.words)
     return web.Response(body=msgspec.json.encode(body), content_type=JSON)
 

@@ -28,6 +28,7 @@ from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body
 from rollq.gateway.render import check_chat, refuse_template
 from rollq.gateway.structured import structured_outputs_of
 from rollq.gateway.state import GATEWAY
+from rollq.gateway.streaming import chat_chunks, respond
 from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling
 
 
@@ -61,7 +62,7 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=T
 
 
 def sampling_of(req: ChatCompletionRequest) -> Sampling:
-    unsupported = dict(stream=req.stream, echo=req.echo)
+    unsupported = dict(echo=req.echo)
     for name, value in unsupported.items():
         if value:
             raise InvalidInput(name, "is not supported by rollq's chat completions")
@@ -74,7 +75,7 @@ def sampling_of(req: ChatCompletionRequest) -> Sampling:
                     structured_outputs=structured_outputs_of(req.structured_outputs, req.response_format))
 
 
-async def chat_completions(request: web.Request) -> web.Response:
+async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     who = gw.tokens.principal(request)
     data = await body_bytes(request)
@@ -105,6 +106,10 @@ async def chat_completions(request: web.Request) -> web.Response:
         field = e.field.replace("conversations[0].", "").replace("conversations[0]", "messages")
         field = "messages" if field == "chat" else field
         raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
+    if req.stream:
+        tokens = [len(s.token_ids) for s in result.samples]
+        return await respond(request, lambda: response(req, job_id, result, tool_choice),
+                             lambda body: chat_chunks(body, req.stream_options, tokens))
     body = response(req, job_id, result, tool_choice)
     return web.Response(body=msgspec.json.encode(body), content_type=JSON)
 

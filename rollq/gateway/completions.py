@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from rollq import __version__
 from rollq.gateway.http import ApiError
+from rollq.gateway.streaming import StreamOptions
 from rollq.gateway.structured import logit_bias_of, structured_outputs_of
 from rollq.protocol import (MAX_JOB_GROUPS, MAX_PROMPT_TOKENS, GroupResult, InvalidInput, Sample, Sampling,
                             SwapMode, VersionWindow, unpack_floats, unpack_tokens)
@@ -54,6 +55,7 @@ class OpenAIRequest(VersionWindow, kw_only=True, forbid_unknown_fields=True):
     return_tokens_as_token_ids: bool = False
     echo: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # rollq's own: how long to wait (and the version window, inherited).
@@ -83,6 +85,8 @@ def shared_sampling(req: OpenAIRequest, max_tokens: int | None) -> dict[str, Any
                  repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                  frequency_penalty=req.frequency_penalty, seed=req.seed, stop_token_ids=req.stop_token_ids,
                  max_tokens=max_tokens, logit_bias=logit_bias_of(req.logit_bias))
+    if req.stream_options is not None and not req.stream:  # as vLLM
+        raise InvalidInput("stream_options", "can only be defined when `stream=True`")
     extra: dict[str, Any] = {}
     if req.ignore_eos:
         extra["ignore_eos"] = True
@@ -115,12 +119,14 @@ def prompts_of(prompt: Any) -> list[list[int] | str]:
 
 
 def sampling_of(req: CompletionRequest) -> Sampling:
-    unsupported = dict(stream=req.stream, suffix=req.suffix,
+    unsupported = dict(suffix=req.suffix,
                        best_of=req.best_of not in (None, req.n) and req.best_of)
     for name, value in unsupported.items():
         if value:
             raise InvalidInput(name, "is not supported by rollq's completions")
     prompt_logprobs = req.prompt_logprobs
+    if req.stream and prompt_logprobs not in (None, 0):  # as vLLM: its chunks have no such field
+        raise InvalidInput("prompt_logprobs", "is not available when `stream=True`")
     if prompt_logprobs is None and req.echo:  # as vLLM: echoed logprobs cover the prompt too
         prompt_logprobs = req.logprobs
     # A worker whose model has a tokenizer decodes (vLLM's own text and token strings, as its

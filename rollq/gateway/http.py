@@ -35,10 +35,14 @@ class ApiError(Exception):
         self.status, self.message, self.field = status, message, field
 
 
+def error_body(status: int, message: str, field: str | None = None) -> bytes:
+    kind = _KINDS.get(status, "server_error")
+    return msgspec.json.encode(ErrorBody(Error(message, kind, field, field, status)))
+
+
 def error_response(status: int, message: str, field: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
-    body = ErrorBody(Error(message, _KINDS.get(status, "server_error"), field, field, status))
-    return web.Response(status=status, body=msgspec.json.encode(body), content_type=JSON,
+    return web.Response(status=status, body=error_body(status, message, field), content_type=JSON,
                         headers=headers)
 
 
