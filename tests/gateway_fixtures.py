@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from dataclasses import dataclass
@@ -19,6 +20,19 @@ class RunningGateway:
 
     def headers(self, trainer: str = "alice") -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tokens[trainer]}"}
+
+    async def live(self, policy: str, timeout_s: float = 20) -> None:
+        """Wait until the gateway sees a live worker of `policy` (an in-process worker beats
+        shortly after it is made; episode routes answer 409 before that)."""
+        give_up = asyncio.get_running_loop().time() + timeout_s
+        async with aiohttp.ClientSession(self.url, headers=self.headers()) as http:
+            while True:
+                async with http.get(f"/v1/policies/{policy}/workers") as r:
+                    if r.status == 200 and await r.json():  # the live workers' list
+                        return
+                if asyncio.get_running_loop().time() > give_up:
+                    raise AssertionError(f"no live worker of {policy!r} after {timeout_s} s")
+                await asyncio.sleep(0.05)
 
 
 def write_tokens(path: Path, policy: str) -> dict[str, str]:

@@ -16,6 +16,7 @@ SAMPLING = {"max_tokens": 4}
 async def test_an_episode_over_http(make_gateway, make_worker, policy):
     gw = await make_gateway()
     make_worker(delay_s=0.3)
+    await gw.live(policy)
     base = f"/v1/policies/{policy}/episodes"
     async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
         body = {"prompt": [5, 6], "n": 2, "sampling": SAMPLING, "episode_id": "e1"}
@@ -64,6 +65,7 @@ async def test_chat_turns_send_the_templates_continuation(make_gateway, make_wor
     tokenizer = AutoTokenizer.from_pretrained(make_chat_model(tmp_path / "chat"))
     gw = await make_gateway(tokenizer=tokenizer)
     make_worker()
+    await gw.live(policy)
     base = f"/v1/policies/{policy}/episodes"
     first = [{"role": "user", "content": "w10 w11"}]
     tool = [{"role": "tool", "content": "w12"}]

@@ -55,6 +55,7 @@ async def test_episodes_refuse_a_callers_template_unless_trusted(make_gateway, m
     """ep_template.sh: before, the episode started (201) with the caller's Jinja run on the gateway."""
     gw = await make_gateway(tokenizer=tokenizer)
     make_worker()
+    await gw.live(policy)
     base = f"/v1/policies/{policy}/episodes"
     kwargs = {"chat_template": "{% for i in range(3) %}w{{ 100 + i * 7 }} {% endfor %}"}
     async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
@@ -78,6 +79,7 @@ async def test_a_trusted_template_runs_within_the_time_and_memory_bounds(make_ga
     string bomb at the memory bound, both 400s; then a template's own output is used."""
     gw = await make_gateway(tokenizer=tokenizer, trust_request_chat_template=True)
     make_worker()
+    await gw.live(policy)
     base = f"/v1/policies/{policy}/episodes"
     async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
         for template, limit in ((LOOP, f"the limit is {RENDER_TIMEOUT_S} s"),
@@ -103,6 +105,7 @@ async def test_a_message_too_big_to_render_is_refused_before_rendering(make_gate
     for its 2,097,156 tokens; now it is refused by its characters before anything renders it."""
     gw = await make_gateway(tokenizer=tokenizer)
     make_worker()
+    await gw.live(policy)
     base = f"/v1/policies/{policy}/episodes"
     big = [{"role": "user", "content": "w10 " * (2 * 1024 * 1024)}]
     async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
@@ -126,6 +129,7 @@ async def test_deeply_nested_bodies_are_400s_naming_the_limit(make_gateway, make
     arguments are walked by the template: the same limit."""
     gw = await make_gateway(tokenizer=tokenizer)
     make_worker()
+    await gw.live(policy)
     deep = nested(500)
     chat = {"model": policy, "max_tokens": 1, "messages": [{"role": "user", "content": "w10", "x": deep}]}
     base = f"/v1/policies/{policy}/episodes"

@@ -11,6 +11,7 @@ import pytest
 
 from rollq.protocol import QueueFull, derived_trainer_id
 from rollq.queue.keys import Keys
+from rollq.queue.names import EpisodeField
 from rollq.queue.prune import expire_results
 from rollq.queue.work import WorkQueue
 
@@ -85,7 +86,10 @@ async def test_episodes_objects_buy_no_larger_share_of_a_worker(redis, policy, m
     served_a = 0  # (the episodes' results are read and deleted by their routers: count the jobs)
     for i, ep in enumerate(objects):
         for j in range(50):
-            served_a += int(await redis.hget(keys.job(ep._submitter.trainer_id, f"e{i}-{j}.t0"), "done") or 0)
+            running, applied = await redis.hmget(keys.episode("a", f"e{i}-{j}.0"), EpisodeField.TURN_JOB,
+                                                 EpisodeField.LAST_TURN_JOB)
+            job = (running or applied or b"").decode()  # the start's job id: `<id>.t0<hex>`
+            served_a += int(await redis.hget(keys.job(ep._submitter.trainer_id, job), "done") or 0)
     share_b = await redis.xlen(keys.results("b")) / (served_a + await redis.xlen(keys.results("b")))
     assert 0.4 <= share_b <= 0.6, (served_a, share_b)
     for t in starts:
