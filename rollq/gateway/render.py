@@ -82,14 +82,30 @@ def check_text(value: Any, field: str, limit: int = MAX_PROMPT_CHARS) -> None:
 def check_chat(messages: Any, tools: Any, kwargs: Any, response_format: Any = None) -> None:
     """A chat completion's free-form fields, before the gateway walks them (its images,
     `copy.deepcopy`, the work item's encoding) and a worker renders them: at most the worker's
-    `MAX_CHAT_BYTES` of text in all."""
-    chars = 0
+    `MAX_CHAT_BYTES` of text in all. An image part's data URL is not text: it leaves the chat as
+    stored image bytes (bounded by the image limits, `images.chat_images`) before any worker
+    renders it."""
+    chars = -_image_url_chars(messages)
     for field, value in (("messages", messages), ("tools", tools), ("chat_template_kwargs", kwargs),
                          ("response_format", response_format)):
         chars += check_tree(value, field)
         if chars > MAX_CHAT_BYTES:
             raise InvalidInput(field, f"the conversation has more than {MAX_CHAT_BYTES} characters of "
                                       f"text; the limit is {MAX_CHAT_BYTES}")
+
+
+def _image_url_chars(messages: Any) -> int:
+    """The characters of the `image_url` URLs of chat content parts (of messages whose depth
+    and size `check_tree` bounds in the same call)."""
+    chars = 0
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            url = part.get("image_url") if isinstance(part, dict) else None
+            url = url.get("url") if isinstance(url, dict) else None
+            if isinstance(url, str):
+                chars += len(url)
+    return chars
 
 
 def refuse_template(trusted: bool, kwargs: dict[str, Any] | None, template: str | None = None,
