@@ -147,8 +147,12 @@ def _start_helper(tokenizer_dir: str, fast: bool) -> None:
 
     loader = PreTrainedTokenizerFast if fast else AutoTokenizer
     _tokenizer = loader.from_pretrained(tokenizer_dir, local_files_only=True)
-    # Its lazy imports (Jinja's too) and ours, before the limit is set and outside any alarm.
-    _tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], tokenize=True)
+    # Its lazy imports (Jinja's too) and ours, before the limit is set and outside any alarm. A
+    # tokenizer without a chat template still encodes completions' text prompts: warming its
+    # template up would raise, and the helper would die before its first job.
+    _tokenizer.encode("warm up")
+    if getattr(_tokenizer, "chat_template", None):
+        _tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], tokenize=True)
     import rollq.episodes  # noqa: F401
     with open("/proc/self/statm") as f:
         held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
