@@ -68,10 +68,7 @@ class Keys:
         return f"{self._p}:result-streams"
 
     def trainer_of_results(self, result_stream: str) -> str:
-        prefix = f"{self._p}:res:"
-        if not result_stream.startswith(prefix):
-            raise ValueError(f"{result_stream!r} is not a result stream of policy {self.policy!r}")
-        return result_stream[len(prefix):]
+        return self._after("res", result_stream, "a result stream")
 
     def quota(self, trainer: str) -> str:
         """Server-side cap on a trainer's outstanding groups, its derived ids' included (optional,
@@ -193,10 +190,14 @@ class Keys:
         return f"{self._p}:*"
 
     def trainer_stream_rest(self, work_stream: str) -> str:
-        prefix = f"{self._p}:work:"
-        if not work_stream.startswith(prefix):
-            raise ValueError(f"{work_stream!r} is not a work stream of policy {self.policy!r}")
-        return work_stream[len(prefix):]
+        return self._after("work", work_stream, "a work stream")
+
+    def _after(self, kind: str, key: str, what: str) -> str:
+        """What follows `<policy prefix>:<kind>:` in `key` (the parsers of stream names)."""
+        prefix = f"{self._p}:{kind}:"
+        if not key.startswith(prefix):
+            raise ValueError(f"{key!r} is not {what} of policy {self.policy!r}")
+        return key[len(prefix):]
 
     def trainer_of(self, work_stream: str) -> str:
         """The trainer of a work stream, routed or not (ids cannot contain ':')."""
