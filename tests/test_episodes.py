@@ -139,6 +139,28 @@ async def test_a_start_or_turn_whose_reply_was_lost_is_retried_not_refused(make_
     await episodes.close()
 
 
+async def test_an_apply_sent_again_after_its_reply_was_lost_serves_the_turn(make_client, make_worker,
+                                                                           monkeypatch):
+    """redis-py sends `episode_apply` again when its reply was lost (a dropped connection, a Redis
+    restart): the second run finds the turn applied already. The caller gets its turn, not an
+    "ended while this turn ran" refusal for a turn the record holds (the chaos run's phantom)."""
+    make_worker()
+    client = make_client()
+    episodes = client.episodes()
+    [first] = await episodes.start([1, 2], sampling=SAMPLING, episode_id="twice")
+    apply_once = client.scripts.episode_apply
+
+    async def apply_twice(*args, **kwargs):
+        await apply_once(*args, **kwargs)  # ran by Redis, its reply lost
+        return await apply_once(*args, **kwargs)
+
+    monkeypatch.setattr(client.scripts, "episode_apply", apply_twice)
+    turn = await episodes.turn(first.episode_id, [3])
+    record = await episodes.get(first.episode_id)
+    assert record.turns == 2 and record.tokens == [1, 2, *first.tokens, 3, *turn.tokens]
+    await episodes.close()
+
+
 async def test_a_restarted_client_recovers_the_turns_its_predecessor_left_running(make_client,
                                                                                   make_worker):
     """A trainer that stops mid-turn (its turn's result unread) and starts again with the same

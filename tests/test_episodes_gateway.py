@@ -1,6 +1,7 @@
 """A gateway SIGKILLed mid-turn and restarted with the same --gateway-id takes its episodes over
-at start-up: the turn its predecessor left running is applied without any request, and the
-episode takes turns again. (A second live object with one owner: test_episodes_promises.py.)"""
+at start-up: the turn its predecessor left running is applied without any request (also once the
+workers pruned the idle trainer from the trainers set), and the episode takes turns again.
+(A second live object with one owner: test_episodes_promises.py.)"""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from helpers import wait_until
 from rollq.faults import reserved_port
 from rollq.queue import jobs
 from rollq.queue.keys import Keys
+from rollq.queue.names import EpisodeField, EpisodeState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,11 +37,6 @@ async def _up(http: aiohttp.ClientSession) -> bool:
             return r.status == 200
     except aiohttp.ClientError:
         return False
-
-
-async def _state(http: aiohttp.ClientSession, path: str) -> str:
-    async with http.get(path) as r:
-        return (await r.json())["state"]
 
 
 async def test_a_gateway_killed_mid_turn_and_restarted_takes_its_episodes_over(
@@ -64,10 +61,15 @@ async def test_a_gateway_killed_mid_turn_and_restarted_takes_its_episodes_over(
             gateways[0].wait()
             turn.cancel()
             await wait_until(lambda: redis.xlen(Keys(policy).results(derived)), what="its result")
+            # Its work stream is empty now: the workers prune the trainer from the trainers set,
+            # while its result waits unapplied (the take-over must not look there).
+            await wait_until(lambda: _pruned(redis, policy, derived), what="the trainer pruned")
             gateways.append(spawn_gateway(redis_url, tmp_path / "tokens.json", port, tmp_path))
             await wait_until(lambda: _up(http), timeout_s=120, what="the restarted gateway")
-            # No turn request: the start-up take-over alone applies the turn.
-            await wait_until(lambda: _idle(http, f"{base}/e1.0"), what="the turn applied")
+            # No request at all (a GET would open the trainer's Episodes too): the start-up
+            # take-over alone applies the turn; read the record from Redis.
+            record_key = Keys(policy).episode("alice", "e1.0")
+            await wait_until(lambda: _idle_in_redis(redis, record_key), what="the turn applied")
             async with http.get(f"{base}/e1.0") as r:
                 record = await r.json()
             assert record["turns"] == 2 and record["tokens"][:len(sequence) + 1] == sequence + [7]
@@ -81,8 +83,12 @@ async def test_a_gateway_killed_mid_turn_and_restarted_takes_its_episodes_over(
             gateway.wait()
 
 
-async def _idle(http: aiohttp.ClientSession, path: str) -> bool:
-    return await _state(http, path) == "idle"
+async def _idle_in_redis(redis, record_key: str) -> bool:
+    return await redis.hget(record_key, EpisodeField.STATE) == EpisodeState.IDLE.encode()
+
+
+async def _pruned(redis, policy: str, trainer: str) -> bool:
+    return not await redis.sismember(Keys(policy).trainers, trainer)
 
 
 async def _acked(redis, policy: str, trainer: str) -> bool:

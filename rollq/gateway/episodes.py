@@ -8,8 +8,9 @@ need the gateway's `--tokenizer`: they become the template's continuation after 
 
 Each Episodes here has the owner `--gateway-id`, and holds it (one live reader per owner): a
 second gateway with the same id is refused (409, reason `owner`). A gateway restarted with the
-same id takes its episodes over at start-up (`lifetime`): the turns its predecessor left running
-are applied when their results arrive, the ones it never queued are freed.
+same id takes its episodes over at start-up (`lifetime`; the trainers it serves episodes for are
+remembered in Redis, `Keys.gateway_episode_trainers`): the turns its predecessor left running are
+applied when their results arrive, the ones it never queued are freed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import Any
 
 import msgspec
@@ -26,7 +28,7 @@ from rollq.episodes import Episode, EpisodeError, Episodes, Turn
 from rollq.gateway.api import _context
 from rollq.gateway.http import ApiError, read_body, reply
 from rollq.gateway.state import GATEWAY, Gateway
-from rollq.protocol import DERIVED_SEPARATOR, InvalidInput, VersionWindow
+from rollq.protocol import InvalidInput, VersionWindow
 from rollq.queue.keys import Keys
 from rollq.queue.workers import live_workers
 from rollq.status import policies
@@ -141,16 +143,28 @@ async def _opened(episodes: Episodes) -> None:
         log.warning("episodes of %s on %s: %s", episodes.trainer, episodes.keys.policy, e)
 
 
+TAKE_OVER_WINDOW_S = 86_400
+"""A trainer this long without a start or turn through this gateway is not taken over at start-up
+(a turn's unread result is kept a job's lifetime, a day by default; an episode record lives its
+`ttl_s`, 600 s by default, after its last turn)."""
+
+
+async def _remember(gw: Gateway, policy: str, trainer: str) -> None:
+    """Record, before its record changes, that `trainer` has episodes through this gateway id."""
+    await gw.redis.zadd(Keys(policy).gateway_episode_trainers(gw.settings.gateway_id),
+                        {trainer: time.time()})
+
+
 async def _take_over(app: web.Application) -> None:
-    """Open the Episodes of every trainer whose episode turns this gateway id submitted (a
-    restarted gateway's predecessor's): their results are applied without waiting for a request."""
+    """Open the Episodes of every trainer that started or took turns through this gateway id
+    lately (a restarted gateway's predecessor's): their results are applied, and the turns it
+    never queued freed, without waiting for a request."""
     gw = app[GATEWAY]
-    mine = f"{DERIVED_SEPARATOR}episodes{DERIVED_SEPARATOR}{gw.settings.gateway_id}"
     for policy in gw.settings.policies or await policies(gw.redis):
-        for member in await gw.redis.smembers(Keys(policy).trainers):
-            name = member.decode()
-            if name.endswith(mine) and name.count(DERIVED_SEPARATOR) == 2:
-                _made(app, gw, policy, name[:-len(mine)])
+        mine = Keys(policy).gateway_episode_trainers(gw.settings.gateway_id)
+        await gw.redis.zremrangebyscore(mine, "-inf", time.time() - TAKE_OVER_WINDOW_S)
+        for member in await gw.redis.zrange(mine, 0, -1):
+            _made(app, gw, policy, member.decode())
 
 
 async def _tokens(gw: Gateway, tokens: list[int] | None, messages: list[dict[str, Any]] | None,
@@ -176,6 +190,7 @@ async def start_episode(request: web.Request) -> web.Response:
     body = await read_body(request, EpisodeStartRequest)
     prompt = await _tokens(gw, body.prompt, body.messages, body.chat_template_kwargs, first=True)
     await _served(gw, episodes.keys.policy)
+    await _remember(gw, episodes.keys.policy, episodes.trainer)
     turns = await _guarded(body.episode_id or "", episodes.start(
         prompt, body.n, body.sampling, episode_id=body.episode_id, **body.asked(), move=body.move,
         ttl_s=body.ttl_s, deadline_s=body.deadline_s))
@@ -188,6 +203,7 @@ async def episode_turn(request: web.Request) -> web.Response:
     body = await read_body(request, EpisodeTurnRequest)
     new = await _tokens(gw, body.tokens, body.messages, body.chat_template_kwargs, first=False)
     await _served(gw, episodes.keys.policy)
+    await _remember(gw, episodes.keys.policy, episodes.trainer)
     turn = await _guarded(episode_id, episodes.turn(episode_id, new, max_tokens=body.max_tokens,
                                                     deadline_s=body.deadline_s, turn_id=body.turn_id))
     return reply(request, turn_view(turn))

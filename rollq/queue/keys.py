@@ -178,6 +178,13 @@ class Keys:
         `episodes`, which names every trainer's); members no longer running are dropped lazily."""
         return f"{self._p}:episode-running:{submitter}"
 
+    def gateway_episode_trainers(self, gateway_id: str) -> str:
+        """Sorted set trainer -> when it last started or took a turn (unix s) through gateway
+        `gateway_id`: whose episodes a gateway restarted with that id takes over. Not the
+        `trainers` set: workers prune a trainer from it as soon as its work stream is empty, while
+        its finished turns' results may still wait unapplied."""
+        return f"{self._p}:gateway-episodes:{gateway_id}"
+
     @property
     def episodes(self) -> str:
         """Sorted set episode key -> expiry (unix s): the live episodes, whose versions retention

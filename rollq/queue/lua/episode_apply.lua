@@ -6,12 +6,17 @@
 -- ARGV: turn job, then 9 per branch: served ('1' or '0'), version, worker,
 --       reason, tokens, mask, logprobs, token versions (the turn's new and sampled tokens),
 --       the turn as its caller gets it (kept to answer the turn sent again).
--- Returns the number of branches the turn extended or recorded as failed.
+-- Returns the number of branches the turn extended or recorded as failed. A served turn found
+-- applied already (the same call sent again after its reply was lost) counts as extended, so the
+-- caller is answered as the first run would have answered it.
 local changed = 0
 for i = 2, #KEYS do
   local at = 1 + (i - 2) * 9
-  local found = redis.call('HMGET', KEYS[i], EPISODE_TURN_JOB, EPISODE_STATE, EPISODE_TTL)
-  if found[1] == ARGV[1] and found[2] == EPISODE_IS_ENDED then
+  local found = redis.call('HMGET', KEYS[i], EPISODE_TURN_JOB, EPISODE_STATE, EPISODE_TTL,
+    EPISODE_LAST_TURN_JOB)
+  if found[1] ~= ARGV[1] and found[4] == ARGV[1] and ARGV[at + 1] == '1' then
+    changed = changed + 1
+  elseif found[1] == ARGV[1] and found[2] == EPISODE_IS_ENDED then
     redis.call('HSET', KEYS[i], EPISODE_TURN_JOB, '')
   elseif found[1] == ARGV[1] then
     if ARGV[at + 1] == '1' then
