@@ -26,6 +26,7 @@ from rollq.children import stop_child
 # --- the run's slowest tests and its total, printed last (after pytest's own summary line) -----
 
 SLOWEST = 25
+SLOWEST_MODULES = 15
 _durations: dict[str, float] = {}
 _session_began = time.monotonic()
 
@@ -44,6 +45,13 @@ def pytest_unconfigure(config):
     tr.write_sep("=", f"{min(SLOWEST, len(_durations))} slowest tests (setup + call + teardown)")
     for nodeid, seconds in sorted(_durations.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         tr.write_line(f"{seconds:8.1f} s  {nodeid}")
+    modules: dict[str, float] = {}
+    for nodeid, seconds in _durations.items():
+        module = nodeid.split("::")[0]
+        modules[module] = modules.get(module, 0.0) + seconds
+    tr.write_sep("=", f"{min(SLOWEST_MODULES, len(modules))} slowest modules (their tests' sum)")
+    for module, seconds in sorted(modules.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]:
+        tr.write_line(f"{seconds:8.1f} s  {module}")
     tr.write_line(f"total: {len(_durations)} tests, {sum(_durations.values()):.1f} s in tests, "
                   f"{time.monotonic() - _session_began:.1f} s in all")
 
