@@ -211,7 +211,8 @@ class Report:
         i = self.info
         lines = [f"GPU check on {i.get('gpu', '?')}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
                  f"{i.get('bytes', 0):,} bytes in {i.get('tensors', '?')} bf16 tensors, median of "
-                 f"{i.get('repeats', '?')}; GB/s = bytes / seconds / 1e9 (a copy's bytes counted once).", "",
+                 f"{i.get('repeats', '?')}; GB/s = bytes / seconds / 1e9 (a copy's bytes counted once).",
+                 machine_line(i), "",
                  "| path | bytes | seconds | GB/s | vs device copy |", "|---|---|---|---|---|"]
         for r in self.rows:
             ratio = "–" if r["vs_device_copy"] is None else f"{r['vs_device_copy']:.3f}"
@@ -220,6 +221,18 @@ class Report:
         notes = [f"- {r['path']}: {r['note']}" for r in self.rows if r["note"]]
         notes += [f"- {n}" for n in self.notes]
         return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def machine_line(info: dict) -> str:
+    # What bounds the rows: the PCIe link (host <-> device) and the file's filesystem (cold reads).
+    smi = info.get("nvidia_smi", {})
+    link = "PCIe link unknown (no nvidia-smi)"
+    if smi:
+        link = (f"PCIe gen {smi.get('pcie.link.gen.current', '?')}/{smi.get('pcie.link.gen.max', '?')} "
+                f"x{smi.get('pcie.link.width.current', '?')}/{smi.get('pcie.link.width.max', '?')} "
+                f"(current/max), driver {smi.get('driver_version', '?')}")
+    return (f"{link}; {info.get('cpus', '?')} CPUs; the file on {info.get('filesystem', '?')} "
+            f"({info.get('workdir', '?')}).")
 
 
 def timed(run_: Run, path: str, repeats: int, step, before=None, after=None, guess_gbps: float = 0.5,
