@@ -757,6 +757,9 @@ class SyncRolloutClient:
     def cancel(self, job_id: str) -> int:
         return self._call(self._client.cancel(job_id))
 
+    def conversation(self, conversation_id: str) -> Trajectory | None:
+        return self._call(self._client.conversation(conversation_id))
+
     def publish_weights(self, version: int, source: Any, *, wait: bool = True, **kwargs: Any):
         """`wait=False`: a `concurrent.futures.Future` of the `VersionEntry` (see the async client)."""
         published = self._call(self._client.publish_weights(version, source, wait=wait, **kwargs))

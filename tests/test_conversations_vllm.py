@@ -111,3 +111,51 @@ async def test_a_tool_conversation_through_the_openai_sdk_keeps_the_sampled_ids(
     # What drifted: the first reply's sampled ids are in the exact prompts, not in the rendered ones.
     first_sampled = turns[0].choices[0].model_extra["token_ids"]
     assert _contains(exact[1], first_sampled) and not _contains(rendered[1], first_sampled)
+
+
+async def test_a_reply_whose_text_encodes_to_other_ids_is_continued_from_the_sampled_ids(
+        make_gateway, make_worker, tool_engine, policy, tmp_path):
+    """Pure re-tokenization drift: a sample of single letters (logit_bias lets only c, i, t, y be
+    sampled) whose decoded text the byte-level BPE encodes to other ids ("c" "i" -> "ci"). Rendered
+    from its text, the next turn would hold those other ids; the exact path holds the sampled ones.
+    (On this template the rendering differs elsewhere too: an assistant message renders as
+    `<|im_start|>assistant\n`, where the generation prompt the policy saw was `<|assistant|>`.)"""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_engine.llm.model_config.tokenizer)
+    make_worker(engine=tool_engine, max_inflight=8, max_inflight_seqs=32)
+    gw = await make_gateway()
+    token, base_url = gw.tokens["alice"], f"{gw.url}/v1"
+    letters = {str(tokenizer.convert_tokens_to_ids(c)): 100 for c in "city"}
+    hot = dict(max_tokens=8, temperature=1.0, logit_bias=letters, extra_body={"return_token_ids": True})
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0) as plain:
+        for seed in range(8):
+            conversation = f"hot-{seed}"
+            agent = plain.with_options(default_headers={HEADER: conversation})
+            first = await agent.chat.completions.create(model=policy, messages=[USER], seed=seed, **hot)
+            sampled = first.choices[0].model_extra["token_ids"]
+            text = first.choices[0].message.content
+            if tokenizer.encode(text, add_special_tokens=False) != sampled:
+                break
+        else:
+            raise AssertionError("no sample whose text encodes to other ids in 8 seeds")
+        messages = [USER, first.choices[0].message, {"role": "user", "content": "More?"}]
+        second = await agent.chat.completions.create(model=policy, messages=messages, max_tokens=4,
+                                                     temperature=0, extra_body={"return_token_ids": True})
+        rendered = await plain.chat.completions.create(model=policy, messages=messages, max_tokens=4,
+                                                       temperature=0, extra_body={"return_token_ids": True})
+    p1 = first.model_extra["prompt_token_ids"]
+    exact, again = second.model_extra["prompt_token_ids"], rendered.model_extra["prompt_token_ids"]
+    assert exact[:len(p1) + len(sampled)] == p1 + sampled
+    # Rendered from the text, the reply is its re-encoding; the sampled ids are nowhere in it.
+    assert not _contains(again, sampled) and tokenizer.decode(sampled) == text
+    record = await gw_conversation(gw, policy, conversation)
+    assert record["drift"] == 1 and record["segments"] == [0]
+    assert record["tokens"][:len(exact)] == exact
+
+
+async def gw_conversation(gw, policy: str, conversation: str) -> dict:
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http, \
+            http.get(f"/v1/policies/{policy}/conversations/{conversation}") as r:
+        assert r.status == 200
+        return await r.json()
