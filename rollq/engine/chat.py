@@ -25,6 +25,10 @@ from rollq.protocol import Chat, InvalidInput, Sample, unpack_tokens
 
 log = logging.getLogger("rollq.engine.chat")
 
+CONTINUATION_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
+"""A conversation that new messages of a turn follow (they come after the policy's reply):
+`rollq.episodes.chat_continuation` and `ChatRenderer.exact` render new messages after it."""
+
 
 class ChatRenderer:
     """One per engine; vLLM's OnlineRenderer is built on first use (it compiles templates lazily).
@@ -84,8 +88,6 @@ class ChatRenderer:
         with the conversation's own tools, template and kwargs: `render(BASE + new) - render(BASE)`.
         When the prefix already ends with the token the continuation starts with (a sample that
         stopped on the template's end-of-turn token), that token is not repeated."""
-        from rollq.episodes import CONTINUATION_BASE
-
         if engine_input.get("multi_modal_data"):
             raise GroupError("a conversation with images cannot continue from exact token ids")
         base, new = list(CONTINUATION_BASE), chat.messages[chat.prefix_messages:]
