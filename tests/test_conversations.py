@@ -172,3 +172,16 @@ def test_messages_extend_when_only_nulls_and_the_shape_of_text_differ():
     assert not conversations.extends([USER, reply], [USER, back])  # nothing new
     changed = back | {"tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{ }"}}]}
     assert not conversations.extends([USER, reply], [USER, changed, new])
+
+
+async def test_a_streamed_turn_is_recorded_before_its_chunks(make_gateway, make_worker, policy):
+    from streams import sse
+
+    gw = await make_gateway()
+    make_worker()
+    body = dict(model=policy, messages=[USER], max_tokens=3, stream=True)
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http:
+        events = await sse(http, f"{gw.url}/v1/chat/completions", body, gw.headers() | {HEADER: "s1"})
+        assert events[-1] == "[DONE]"
+        record = await _trajectory(http, policy, "s1")
+    assert record["tokens"][:len(_render([USER]))] == _render([USER]) and sum(record["mask"]) == 3
