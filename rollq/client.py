@@ -45,7 +45,9 @@ from rollq.protocol import (
     validate_n,
     VersionWindow,
 )
+from rollq import conversations
 from rollq import images as imaging
+from rollq.conversations import Trajectory
 from rollq.queue import jobs
 from rollq.config import default_weight_store
 from rollq.queue.connection import DEFAULT_URL, connect
@@ -292,6 +294,8 @@ class RolloutClient:
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = True,
         reasoning_effort: str | None = None,
+        prefix_tokens: Sequence[int] | None = None,
+        prefix_messages: int = 0,
         job_id: str | None = None,
         deadline_s: float | None = None,
         meta: dict[str, Any] | None = None,
@@ -311,6 +315,9 @@ class RolloutClient:
         started with vLLM's parser flags, samples also carry vLLM's parsed `content`,
         `tool_calls` and `reasoning` (`tool_choice`, `parallel_tool_calls` as vLLM's). Otherwise
         as `submit` (one round trip, idempotent `job_id`, quota, version window).
+        `prefix_tokens` (one conversation only): the exact ids of its first `prefix_messages`
+        messages, continued instead of rendered again (`Chat.prefix_tokens`; the gateway's
+        conversations send them, `rollq/conversations.py`).
         """
         validate_n(n)
         job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
@@ -328,6 +335,11 @@ class RolloutClient:
                       tool_choice=_typed("tool_choice", tool_choice, str | dict[str, Any] | None),
                       parallel_tool_calls=_typed("parallel_tool_calls", parallel_tool_calls, bool | None),
                       reasoning_effort=_typed("reasoning_effort", reasoning_effort, str | None))
+        if prefix_tokens is not None:
+            if len(conversations) != 1:
+                raise InvalidInput("prefix_tokens", "continues one conversation; send one")
+            shared |= dict(prefix_tokens=pack_tokens(_typed("prefix_tokens", list(prefix_tokens), list[int])),
+                           prefix_messages=_typed("prefix_messages", prefix_messages, int))
         found: dict[str, bytes | None] = {}
         chats, digests = [], []
         for i, messages in enumerate(conversations):
@@ -682,6 +694,13 @@ class RolloutClient:
         """Groups submitted whose result this trainer has not acknowledged yet."""
         return await jobs.outstanding(self.redis, self.keys, self.trainer_id)
 
+    async def conversation(self, conversation_id: str) -> Trajectory | None:
+        """The exact trajectory of an agent conversation this trainer's chat requests named with
+        the `X-Rollq-Conversation` header (tokens, mask, logprobs, versions, tool calls,
+        segments, drift: `rollq.conversations.Trajectory`); None when there is none (or it
+        expired, an hour after its last turn)."""
+        return await self._retrying(conversations.trajectory, self, conversation_id)
+
     def episodes(self, *, owner: str | None = None, affinity: bool = True):
         """Multi-turn episodes of this trainer (`rollq.episodes.Episodes`; close it when done).
         `owner` names the result stream its turns come back on (default: a fresh one; name it
@@ -737,6 +756,9 @@ class SyncRolloutClient:
 
     def cancel(self, job_id: str) -> int:
         return self._call(self._client.cancel(job_id))
+
+    def conversation(self, conversation_id: str) -> Trajectory | None:
+        return self._call(self._client.conversation(conversation_id))
 
     def publish_weights(self, version: int, source: Any, *, wait: bool = True, **kwargs: Any):
         """`wait=False`: a `concurrent.futures.Future` of the `VersionEntry` (see the async client)."""

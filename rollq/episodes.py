@@ -60,6 +60,7 @@ from rollq.protocol import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rollq.engine.chat import CONTINUATION_BASE
 from rollq.queue.names import EpisodeField, EpisodeState, Reply
 from rollq.queue.workers import WorkerState
 
@@ -666,8 +667,6 @@ class Episodes:
         return self._adopted - adopted + freed
 
 
-CONTINUATION_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
-"""A conversation that new messages of a turn follow (they come after the policy's reply)."""
 
 
 def chat_continuation(tokenizer: Any, messages: Sequence[dict[str, Any]],

@@ -246,6 +246,13 @@ class Chat(msgspec.Struct, **_WIRE):
     """False: at most one tool call per sample (constrained and cut as vLLM does)."""
     reasoning_effort: str | None = None
     """vLLM's: handed to the template (and `enable_thinking` = effort != "none")."""
+    prefix_tokens: bytes = b""
+    """int32 token ids of the conversation so far exactly as the policy saw and sampled them
+    (a conversation's record, `rollq/conversations.py`): the prompt is these ids, then the
+    template's continuation of `messages[prefix_messages:]`, never a new rendering of the first
+    `prefix_messages` messages..."""
+    prefix_messages: int = 0
+    """...which those ids stand for (0 with no prefix)."""
 
 
 class WorkItem(msgspec.Struct, **_WIRE):
@@ -365,6 +372,9 @@ class GroupResult(msgspec.Struct, **_WIRE):
     prompt, `logprobs[0]` is NaN: the first token has no context; `top()` as for samples)."""
     image_tokens: int = 0
     """Tokens of `prompt` that the images took (their placeholders, as the model expands them)."""
+    prompt_drift: bool = False
+    """A chat with `prefix_tokens`: rendering the whole conversation from its text would have
+    given other token ids than `prompt` (re-tokenization drift the exact prefix avoided)."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -612,9 +622,28 @@ def validate_chat(chat: Chat, field: str = "chat") -> None:
     if chat.add_generation_prompt and chat.continue_final_message:
         raise InvalidInput(f"{field}.continue_final_message",
                            "excludes add_generation_prompt (set add_generation_prompt to false)")
+    _validate_prefix(chat, field)
     size = len(encode(chat))
     if size > MAX_CHAT_BYTES:
         raise InvalidInput(field, f"is {size} bytes encoded; the limit is {MAX_CHAT_BYTES}")
+
+
+def _validate_prefix(chat: Chat, field: str) -> None:
+    at = f"{field}.prefix_messages"
+    if len(chat.prefix_tokens) % 4:
+        raise InvalidInput(f"{field}.prefix_tokens",
+                           f"is {len(chat.prefix_tokens)} bytes; int32 ids take 4 each")
+    if not 0 <= chat.prefix_messages < len(chat.messages):
+        raise InvalidInput(at, f"is {chat.prefix_messages}; it must leave at least one of the "
+                               f"{len(chat.messages)} messages to continue with")
+    if bool(chat.prefix_tokens) != bool(chat.prefix_messages):
+        raise InvalidInput(at, "and prefix_tokens go together: both or neither")
+    if chat.prefix_tokens and not (chat.add_generation_prompt and not chat.continue_final_message):
+        raise InvalidInput(f"{field}.continue_final_message",
+                           "cannot continue an exact prefix: its continuation ends with the "
+                           "generation prompt")
+    if chat.prefix_tokens and min(unpack_tokens(chat.prefix_tokens)) < 0:
+        raise InvalidInput(f"{field}.prefix_tokens", "holds a negative token id")
 
 
 _REPEATS = {_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT)}

@@ -85,7 +85,7 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
                 keys.image_bytes(t)]
     # Each of its `Episodes` objects' owner lease (`episode_owner.lua`: GET, SET PX, DEL) and
     # index of running turns (`Keys.episode_running`).
-    own += [keys.episode(trainer, "*"), keys.image(trainer, "*"),
+    own += [keys.episode(trainer, "*"), keys.image(trainer, "*"), keys.conversation(trainer, "*"),
             keys.episode_owner(f"{trainer}{DERIVED_SEPARATOR}*"),
             keys.episode_running(f"{trainer}{DERIVED_SEPARATOR}*")]
     shared = [keys.trainers, keys.bounded_jobs, keys.episodes, keys.routed]

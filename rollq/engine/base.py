@@ -16,6 +16,8 @@ class Generated(NamedTuple):
     """With `Sampling.prompt_logprobs`: the prompt's tokens scored by the model."""
     image_tokens: int = 0
     """Tokens of `prompt` that its images took."""
+    prompt_drift: bool = False
+    """A chat with an exact prefix whose whole rendering would have given other ids than `prompt`."""
 
 
 class GroupError(Exception):

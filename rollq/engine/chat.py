@@ -19,9 +19,15 @@ import logging
 from typing import Any
 
 from rollq.engine.base import GroupError
-from rollq.protocol import Chat, InvalidInput, Sample
+import msgspec
+
+from rollq.protocol import Chat, InvalidInput, Sample, unpack_tokens
 
 log = logging.getLogger("rollq.engine.chat")
+
+CONTINUATION_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
+"""A conversation that new messages of a turn follow (they come after the policy's reply):
+`rollq.episodes.chat_continuation` and `ChatRenderer.exact` render new messages after it."""
 
 
 class ChatRenderer:
@@ -73,6 +79,33 @@ class ChatRenderer:
         _, (engine_input,) = rendered
         return engine_input, request  # render_chat adjusts the request in place
 
+    async def exact(self, chat: Chat, max_tokens: int, engine_input: Any) -> tuple[Any, bool]:
+        """The engine input of a chat with an exact prefix (`Chat.prefix_tokens`): those ids, then
+        the template's continuation of the messages after `prefix_messages`; and whether
+        `engine_input` (the whole conversation rendered from text, as vLLM would) differs from it.
+
+        The continuation is `rollq.episodes.chat_continuation`'s, rendered here by vLLM's renderer
+        with the conversation's own tools, template and kwargs: `render(BASE + new) - render(BASE)`.
+        When the prefix already ends with the token the continuation starts with (a sample that
+        stopped on the template's end-of-turn token), that token is not repeated."""
+        if engine_input.get("multi_modal_data"):
+            raise GroupError("a conversation with images cannot continue from exact token ids")
+        base, new = list(CONTINUATION_BASE), chat.messages[chat.prefix_messages:]
+        plain = msgspec.structs.replace(chat, prefix_tokens=b"", prefix_messages=0)
+        before, _ = await self.render(msgspec.structs.replace(
+            plain, messages=base, add_generation_prompt=False), max_tokens)
+        after, _ = await self.render(msgspec.structs.replace(plain, messages=base + new), max_tokens)
+        before, after = before["prompt_token_ids"], after["prompt_token_ids"]
+        if after[:len(before)] != before:
+            raise GroupError("the chat template renders a conversation differently once messages follow "
+                             "it; its continuation after the exact prefix is not well defined")
+        prefix, continuation = unpack_tokens(chat.prefix_tokens), list(after[len(before):])
+        if continuation and continuation[0] == prefix[-1]:
+            continuation = continuation[1:]
+        ids = prefix + continuation
+        exact = {k: v for k, v in engine_input.items() if k != "prompt"} | {"prompt_token_ids": ids}
+        return exact, list(engine_input["prompt_token_ids"]) != ids
+
     def constrain(self, params: Any, request: Any) -> None:
         """What vLLM's `to_sampling_params` takes from the adjusted request: the tool-call
         constraint (which overrides the group's own regex, as vLLM's overrides response_format)
@@ -84,8 +117,6 @@ class ChatRenderer:
     def parse(self, request: Any, prompt_ids: list[int], samples: list[Sample]) -> list[Sample]:
         """Each sample's vLLM message fields (content, reasoning, tool_calls), as vLLM's server
         fills them; samples unchanged when the worker has no parser."""
-        import msgspec
-
         parser_cls = self._renderer().parser
         if parser_cls is None:
             return samples

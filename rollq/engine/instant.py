@@ -11,7 +11,9 @@ import zlib
 from functools import lru_cache
 
 from rollq.engine.base import Generated, GroupError
-from rollq.protocol import Sample, WorkItem, pack_floats, pack_tokens
+import msgspec
+
+from rollq.protocol import Chat, Sample, WorkItem, pack_floats, pack_tokens
 
 FAIL_TOKEN = 2**31 - 7
 """A prompt starting with this token fails its group with GroupError (for tests of failures)."""
@@ -31,6 +33,21 @@ def _tokens(crc: int, sample_index: int, max_tokens: int, vocab_size: int) -> li
 def _logprobs(max_tokens: int) -> bytes:
     """Every token's logprob: -1.0 (bytes are immutable: one copy serves every sample)."""
     return pack_floats([-1.0] * max_tokens)
+
+
+def _render(messages: list) -> bytes:
+    return pack_tokens(list(b"".join(msgspec.json.encode(m) for m in messages)))
+
+
+def _chat_prompt(chat: Chat) -> tuple[bytes, bool]:
+    """A chat "renders" to the UTF-8 bytes of each message's JSON, one after another; with an
+    exact prefix, the prompt is that prefix and then the later messages' bytes (and drifts when
+    rendering every message would not give the same)."""
+    whole = _render(chat.messages)
+    if not chat.prefix_tokens:
+        return whole, False
+    exact = chat.prefix_tokens + _render(chat.messages[chat.prefix_messages:])
+    return exact, exact != whole
 
 
 class InstantEngine:
@@ -58,8 +75,10 @@ class InstantEngine:
     async def generate_group(self, item: WorkItem) -> Generated:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        # Text prompts "tokenize" to their UTF-8 bytes.
-        prompt = item.prompt or pack_tokens(list(item.text.encode()))
+        # Text prompts "tokenize" to their UTF-8 bytes; a chat's messages, to their JSON's.
+        prompt, drift = item.prompt or pack_tokens(list(item.text.encode())), False
+        if item.chat is not None:
+            prompt, drift = _chat_prompt(item.chat)
         if prompt[:4] == _FAIL_PREFIX:
             raise GroupError("InstantEngine: prompt starts with FAIL_TOKEN")
         max_tokens, vocab_size, version = item.sampling.max_tokens, self.vocab_size, self._version
@@ -67,7 +86,7 @@ class InstantEngine:
         samples = [Sample(pack_tokens(_tokens(crc, i, max_tokens, vocab_size)), logprobs, "length",
                           versions=[(version, 0)])
                    for i in range(item.n)]
-        return Generated(samples, prompt)
+        return Generated(samples, prompt, prompt_drift=drift)
 
     async def swap(self, version: int, path: str, *, interrupt: bool = False,
                    keep: bool = False) -> dict[str, float]:

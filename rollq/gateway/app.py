@@ -19,7 +19,8 @@ from aiohttp import web
 
 from rollq.gateway import api, trl_compat
 from rollq.gateway import episodes as ep
-from rollq.gateway.chat import ChatCompletionRequest, chat_completions
+from rollq.conversations import Trajectory
+from rollq.gateway.chat import ChatCompletionRequest, chat_completions, get_conversation
 from rollq.gateway.completions import CompletionRequest
 from rollq.gateway.http import BODY_BUDGET, BODY_TIMEOUT, ApiError, BodyBudget, bounded_bodies, errors
 from rollq.gateway.openapi import Param, openapi_document
@@ -97,6 +98,9 @@ ROUTES = [
           errors=(400, 401, 403, 404)),
     Route("DELETE", f"{_P}/episodes/{{episode_id}}", ep.end_episode, "End an episode", "episodes",
           reply=ep.EpisodeView, errors=(400, 401, 403, 404)),
+    Route("GET", f"{_P}/conversations/{{conversation_id}}", get_conversation,
+          "An agent conversation's exact trajectory (chat requests with the X-Rollq-Conversation header)",
+          "openai", reply=Trajectory, errors=(400, 401, 403, 404)),
     Route("GET", f"{_P}/versions", api.list_versions, "Registered policy versions", "versions",
           reply=VersionList),
     Route("POST", f"{_P}/versions", api.publish_version, "Publish a version from a weights directory",

@@ -19,17 +19,17 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from rollq import __version__
+from rollq import __version__, conversations
 from rollq.engine.chat import check_tools
 from rollq.gateway.api import heavy_turn, run_job
 from rollq.gateway.auth import allowed
 from rollq.gateway.completions import OpenAIRequest, shared_sampling
-from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body
+from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body, reply
 from rollq.gateway.render import check_chat, refuse_template
 from rollq.gateway.structured import structured_outputs_of
 from rollq.gateway.state import GATEWAY
 from rollq.gateway.streaming import chat_chunks, respond
-from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling
+from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling, unpack_tokens
 
 
 _GREEDY = 1e-5
@@ -88,6 +88,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tool_choice = check_tool_choice(req.tools, req.tool_choice)
     # As vLLM's server: a caller's template would run on every worker that renders it.
     refuse_template(gw.settings.trust_request_chat_template, req.chat_template_kwargs, req.chat_template)
+    conversation = conversations.check_header(request.headers.get(conversations.HEADER))
+    at = conversations.Prior()
+    if conversation is not None:
+        check_conversation(req)
+        at = await conversations.prior(gw.client(policy, who.trainer), conversation, req.messages)
 
     async def submit(client, job_id: str, window: dict):
         async with heavy_turn(request, data):  # the images' walk and the work item's encoding
@@ -97,6 +102,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, tool_choice=tool_choice,
                 parallel_tool_calls=req.parallel_tool_calls, reasoning_effort=req.reasoning_effort,
+                prefix_tokens=unpack_tokens(at.prefix_tokens) if at.prefix_tokens else None,
+                prefix_messages=at.prefix_messages,
                 job_id=job_id, deadline_s=req.timeout_s, wait=False, **window)
 
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -106,12 +113,48 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         field = e.field.replace("conversations[0].", "").replace("conversations[0]", "messages")
         field = "messages" if field == "chat" else field
         raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
+    if conversation is not None and result.status == "ok":
+        # The served turn joins the trajectory before its caller sees it.
+        await conversations.append(gw.client(policy, who.trainer), conversation, job_id, at, req.messages,
+                                   _message(result.samples[0]), result)
     if req.stream:
         tokens = [len(s.token_ids) for s in result.samples]
         return await respond(request, lambda: response(req, job_id, result, tool_choice),
                              lambda body: chat_chunks(body, req.stream_options, tokens))
     body = response(req, job_id, result, tool_choice)
     return web.Response(body=msgspec.json.encode(body), content_type=JSON)
+
+
+async def get_conversation(request: web.Request) -> web.Response:
+    """An agent conversation's exact trajectory (`rollq.conversations.Trajectory`), the caller's own."""
+    gw = request.app[GATEWAY]
+    who = gw.tokens.principal(request)
+    policy = allowed(who, request.match_info["policy"])
+    conversation_id = request.match_info["conversation_id"]
+    found = await gw.client(policy, who.trainer).conversation(conversation_id)
+    if found is None:
+        raise ApiError(404, f"no conversation {conversation_id!r} of this trainer (none of its chat requests "
+                            f"named it with {conversations.HEADER}, or it expired {conversations.TTL_S} s "
+                            "after its last turn)", "conversation_id")
+    return reply(request, found)
+
+
+def check_conversation(req: ChatCompletionRequest) -> None:
+    """What a conversation's exact trajectory cannot honour is refused, never ignored."""
+    header = conversations.HEADER
+    if req.n != 1:
+        raise InvalidInput("n", f"is {req.n}; with the {header} header a turn takes one sample "
+                                "(the trajectory is one sequence): n must be 1")
+    if req.continue_final_message or not req.add_generation_prompt:
+        field = "continue_final_message" if req.continue_final_message else "add_generation_prompt"
+        raise InvalidInput(field, f"with the {header} header every turn ends with the generation "
+                                  "prompt: leave add_generation_prompt true, continue_final_message false")
+    for i, message in enumerate(req.messages):
+        content = message.get("content")
+        parts = content if isinstance(content, list) else []
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in parts):
+            raise InvalidInput(f"messages[{i}].content", f"holds a part that is not text; with the "
+                                                         f"{header} header a conversation is text only")
 
 
 def check_tool_choice(tools: list | None, choice: str | dict | None) -> str | dict | None:

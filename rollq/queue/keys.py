@@ -166,6 +166,11 @@ class Keys:
         `names.EpisodeField`); expires `ttl_s` after its last turn began or ended."""
         return f"{self._p}:episode:{trainer}:{episode_id}"
 
+    def conversation(self, trainer: str, conversation_id: str) -> str:
+        """Hash: an agent conversation's exact trajectory (`names.ConversationField`), written by
+        the gateway once per served chat turn that names it; expires an hour after its last turn."""
+        return f"{self._p}:conversation:{trainer}:{conversation_id}"
+
     def episode_owner(self, submitter: str) -> str:
         """String with a PX expiry: the token of the one live `Episodes` object reading the
         results of `submitter` (a derived trainer `<trainer>~episodes~<owner>`)."""

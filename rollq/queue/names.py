@@ -150,6 +150,32 @@ class EpisodeField(StrEnum):
     """The (derived) trainer that queued the running turn: whose job record says it was queued."""
 
 
+class ConversationField(StrEnum):
+    """Fields of an agent conversation's record (a hash; `rollq/conversations.py`)."""
+
+    TOKENS = "tokens"
+    """int32 token ids of every turn: its prompt as the engine saw it (only what the conversation
+    did not hold yet, when the turn continued it), then the sampled tokens."""
+    MASK = "mask"
+    """One byte per token: 1 where the policy sampled it."""
+    LOGPROBS = "logprobs"
+    """float32 per token: its behaviour logprob where sampled, NaN elsewhere."""
+    TOKEN_VERSIONS = "token_versions"
+    """int32 per token: the version that sampled it, -1 where not sampled."""
+    SEGMENT_START = "segment_start"
+    """The index in `tokens` where the last rendered segment starts: the exact prefix of the next
+    turn is `tokens[segment_start:]`."""
+    MESSAGES = "messages"
+    """msgpack: the last turn's messages and the assistant message it was answered with."""
+    TURNS = "turns"
+    """Per turn: '1' (it continued the last segment) or '0' (it began a segment), then a 4-byte
+    length and the msgpack of the turn as `rollq.conversations.Turn`."""
+    JOBS = "jobs"
+    """The job id of every turn appended, each between spaces: a turn sent again is not appended."""
+    DRIFT = "drift"
+    """Turns whose prompt, rendered from the text, would have differed from the exact one."""
+
+
 STATUS_COUNTERS = tuple(JobField(s) for s in get_args(Status))
 """The job-record counter of each result status (a Status the record has no field for fails here,
 at import)."""
@@ -178,7 +204,7 @@ class Reply(StrEnum):
 LUA_PREFIXES: dict[str, type[StrEnum]] = {
     "GROUP": Group, "WORK": WorkField, "RESULT": ResultField, "DEAD": DeadField, "EVENT": EventField,
     "STATE": JobState, "JOB": JobField, "REPLY": Reply, "EPISODE": EpisodeField,
-    "EPISODE_IS": EpisodeState,
+    "EPISODE_IS": EpisodeState, "CONVERSATION": ConversationField,
 }
 """Lua name of a member: `<prefix>_<member>`, e.g. `JOB_STATE`, `STATE_PENDING`, `GROUP_WORKERS`."""
 

@@ -22,7 +22,7 @@ from rollq.queue.names import lua_preamble
 NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish", "pin",
          "retire", "episode_start", "episode_turn", "episode_apply", "episode_end",
          "episode_unsubmitted", "episode_owner", "route_prune", "store_images", "trainer_prune",
-         "results_expire")
+         "results_expire", "conversation_append")
 
 
 @cache
@@ -64,6 +64,7 @@ class Scripts:
     store_images: AsyncScript
     trainer_prune: AsyncScript
     results_expire: AsyncScript
+    conversation_append: AsyncScript
 
 
 Call = tuple[AsyncScript, list, list]

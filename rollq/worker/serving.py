@@ -128,7 +128,7 @@ class GroupServer:
             return GroupResult(status="failed", reason=f"internal error: {outside}", **partial)
         partial["prompt"] = generated.prompt
         return GroupResult(status="ok", samples=generated.samples, prompt_scores=generated.prompt_scores,
-                           image_tokens=generated.image_tokens,
+                           image_tokens=generated.image_tokens, prompt_drift=generated.prompt_drift,
                            queued_s=max(0.0, started - item.submitted_at),
                            generation_s=time.time() - started, finished_at=time.time(), **partial)
 

@@ -122,6 +122,28 @@ async def test_acl_trainer_users_run_episodes_on_their_own_keys(acl, policy):
         await theirs.close()
 
 
+async def test_acl_trainer_users_read_their_own_conversations_only(acl, policy):
+    """The gateway (here: an unrestricted client) writes conversation records; a trainer under
+    `rollq acl` reads its own with `RolloutClient.conversation`, another's is NOPERM."""
+    from rollq import conversations
+    from rollq.protocol import GroupResult, Sample, pack_floats, pack_tokens
+
+    sample = Sample(pack_tokens([5]), pack_floats([-0.5]), "stop", versions=[(0, 0)])
+    result = GroupResult("chatcmpl-1", 0, "ok", samples=[sample], prompt=pack_tokens([1, 2]))
+    for trainer in ("alice", "bob"):
+        gateway = RolloutClient(f"redis://127.0.0.1:{acl.admin.connection_pool.connection_kwargs['port']}/0",
+                                policy=policy, trainer_id=trainer)
+        try:
+            await conversations.append(gateway, "c1", "chatcmpl-1", conversations.Prior(),
+                                       [{"role": "user", "content": "x"}], {"role": "assistant"}, result)
+        finally:
+            await gateway.close()
+    alice = acl.client("alice")
+    assert (await alice.conversation("c1")).tokens == [1, 2, 5]
+    with pytest.raises(NoPermissionError):
+        await alice.redis.hgetall(Keys(policy).conversation("bob", "c1"))
+
+
 async def test_acl_trainer_cannot_touch_another_trainers_jobs_quota_or_claim_order(acl, policy):
     """Under `rollq acl`, each attack of a trainer with direct Redis access on another trainer's
     jobs, done markers, quota, results or place in the claim order is NOPERM or has no effect."""

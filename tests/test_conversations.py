@@ -1,0 +1,187 @@
+"""Agent conversations' exact trajectories (`X-Rollq-Conversation`), on the instant engine: these
+tests are about the record (what is kept, continued, segmented, appended once, refused), not about
+generation. The instant engine "renders" a chat as the UTF-8 bytes of each message's JSON, so a
+re-rendered assistant turn never equals the ids it sampled: a turn that continued from text would
+show it. tests/test_conversations_vllm.py runs a tool conversation through vLLM."""
+
+from __future__ import annotations
+
+import aiohttp
+import msgspec
+import pytest
+from helpers import drop_a_reply
+
+from rollq import conversations
+from rollq.conversations import HEADER
+from rollq.protocol import Chat, GroupResult, InvalidInput, Sample, pack_floats, pack_tokens, validate_chat
+
+USER = {"role": "user", "content": "hello"}
+
+
+def _render(messages: list[dict]) -> list[int]:
+    """The instant engine's chat rendering."""
+    return list(b"".join(msgspec.json.encode(m) for m in messages))
+
+
+async def _turn(http, policy: str, messages: list[dict], conversation: str | None = "c1", **fields) -> dict:
+    headers = {} if conversation is None else {HEADER: conversation}
+    body = dict(model=policy, messages=messages, max_tokens=4, return_token_ids=True, logprobs=True) | fields
+    async with http.post("/v1/chat/completions", json=body, headers=headers) as r:
+        reply = await r.json()
+        assert r.status == 200, reply
+    return reply
+
+
+async def _trajectory(http, policy: str, conversation: str = "c1") -> dict:
+    async with http.get(f"/v1/policies/{policy}/conversations/{conversation}") as r:
+        body = await r.json()
+        assert r.status == 200, body
+    return body
+
+
+async def test_a_conversation_keeps_the_sampled_ids_and_an_edited_history_starts_a_segment(
+        make_gateway, make_worker, make_client, policy):
+    gw = await make_gateway()
+    make_worker()
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http:
+        first = await _turn(http, policy, [USER])
+        [choice] = first["choices"]
+        p1, s1 = first["prompt_token_ids"], choice["token_ids"]
+        assert p1 == _render([USER]) and len(s1) == 4
+        record = await _trajectory(http, policy)
+        assert record["tokens"] == p1 + s1 and record["mask"] == [0] * len(p1) + [1] * 4
+        assert record["logprobs"] == [None] * len(p1) + [c["logprob"] for c in choice["logprobs"]["content"]]
+        assert record["token_versions"] == [-1] * len(p1) + [0] * 4
+        assert record["segments"] == [0] and record["drift"] == 0
+
+        # The SDK's way: the reply's message goes back as it came, then a new user message.
+        asked = [USER, choice["message"], {"role": "user", "content": "more"}]
+        second = await _turn(http, policy, asked)
+        p2, s2 = second["prompt_token_ids"], second["choices"][0]["token_ids"]
+        assert p2 == p1 + s1 + _render(asked[2:])  # the sampled ids, not the reply's text rendered
+        assert p2 != _render(asked)
+        record = await _trajectory(http, policy)
+        assert record["tokens"] == p2 + s2 and record["segments"] == [0]
+        assert record["mask"] == [0] * len(p1) + [1] * 4 + [0] * (len(p2) - len(p1) - 4) + [1] * 4
+        assert record["drift"] == 1  # rendered from text, turn 2's prompt would have differed
+        assert [(t["continued"], t["drift"], t["prompt_start"], t["sample_start"], t["end"])
+                for t in record["turns"]] == [(False, False, 0, len(p1), len(p1) + 4),
+                                              (True, True, 0, len(p2), len(p2) + 4)]
+
+        # Edited history: rendered whole, a new segment after the first.
+        edited = [{"role": "user", "content": "hello again"}, second["choices"][0]["message"],
+                  {"role": "user", "content": "more"}]
+        third = await _turn(http, policy, edited)
+        p3, s3 = third["prompt_token_ids"], third["choices"][0]["token_ids"]
+        assert p3 == _render(edited)
+        record = await _trajectory(http, policy)
+        assert record["tokens"] == p2 + s2 + p3 + s3 and record["segments"] == [0, len(p2) + 4]
+        assert record["turns"][2]["continued"] is False and record["turns"][2]["segment"] == 1
+        assert record["drift"] == 1
+
+        # The next turn continues the new segment only.
+        fourth = await _turn(http, policy, edited + [third["choices"][0]["message"],
+                                                     {"role": "user", "content": "w"}])
+        assert fourth["prompt_token_ids"][:len(p3) + 4] == p3 + s3
+        record = await _trajectory(http, policy)
+        assert record["drift"] == 2 and record["turns"][3]["continued"]
+        assert record["segments"] == [0, len(p2) + 4]
+
+        # Without the header: vLLM's rendering, nothing recorded.
+        plain = await _turn(http, policy, asked, conversation=None)
+        assert plain["prompt_token_ids"] == _render(asked)
+        async with http.get(f"/v1/policies/{policy}/conversations/other") as r:
+            assert r.status == 404 and (await r.json())["error"]["param"] == "conversation_id"
+    # The trainer's client reads the same; another trainer sees none of it.
+    mine = await make_client("alice").conversation("c1")
+    assert msgspec.json.decode(msgspec.json.encode(mine)) == record
+    assert await make_client("bob").conversation("c1") is None
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("bob")) as http, \
+            http.get(f"/v1/policies/{policy}/conversations/c1") as r:
+        assert r.status == 404
+
+
+async def test_a_turn_sent_again_after_its_reply_was_lost_is_appended_once(make_client, monkeypatch):
+    client = make_client("alice")
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    sample = Sample(pack_tokens([7, 8]), pack_floats([-0.5, -0.25]), "stop", versions=[(3, 0)],
+                    tool_calls=[call])
+    result = GroupResult("chatcmpl-1", 0, "ok", samples=[sample], prompt=pack_tokens([1, 2, 3]))
+    dropped = drop_a_reply(monkeypatch, client.redis, "EVALSHA")
+    reply = {"role": "assistant", "content": None, "tool_calls": sample.tool_calls}
+    await conversations.append(client, "c1", "chatcmpl-1", conversations.Prior(), [USER], reply, result)
+    assert dropped == [b"ok"]  # redis-py sent it again; the script found the job and answered dup
+    await conversations.append(client, "c1", "chatcmpl-1", conversations.Prior(), [USER], reply, result)
+    record = await client.conversation("c1")
+    assert record.tokens == [1, 2, 3, 7, 8] and record.mask == [0, 0, 0, 1, 1]
+    assert record.token_versions == [-1, -1, -1, 3, 3] and record.logprobs[3:] == [-0.5, -0.25]
+    assert all(v is None for v in record.logprobs[:3])
+    [turn] = record.turns
+    assert turn.tool_calls == sample.tool_calls and turn.job_id == "chatcmpl-1"
+    # The next turn extends it: its prompt begins with the record's ids.
+    at = await conversations.prior(client, "c1", [USER, reply, {"role": "tool", "content": "x"}])
+    assert at == conversations.Prior(pack_tokens([1, 2, 3, 7, 8]), 2)
+    assert await client.redis.ttl(client.keys.conversation("alice", "c1")) > conversations.TTL_S - 60
+
+
+@pytest.mark.parametrize("header, says", [
+    ("a/b", "may contain only letters"), ("x" * 129, "the limit is 128"), ("..", "only dots")])
+async def test_a_bad_conversation_header_is_a_400_naming_it(make_gateway, policy, header, says):
+    gw = await make_gateway()
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers() | {HEADER: header}) as http, \
+            http.post("/v1/chat/completions", json=dict(model=policy, messages=[USER])) as r:
+        error = (await r.json())["error"]
+    assert r.status == 400 and error["param"] == HEADER and says in error["message"], error
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(n=2, temperature=1.0), "n"),
+    (dict(add_generation_prompt=False, continue_final_message=True), "continue_final_message"),
+    (dict(add_generation_prompt=False), "add_generation_prompt"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content"),
+])
+async def test_what_a_conversation_cannot_honour_is_refused_naming_the_field(make_gateway, policy, fields,
+                                                                             field):
+    gw = await make_gateway()
+    body = dict(model=policy, messages=[USER]) | fields
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers() | {HEADER: "c1"}) as http, \
+            http.post("/v1/chat/completions", json=body) as r:
+        error = (await r.json())["error"]
+    assert r.status == 400 and error["param"] == field and HEADER in error["message"], error
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(prefix_tokens=b"\x01\x00\x00", prefix_messages=1), "chat.prefix_tokens"),
+    (dict(prefix_tokens=pack_tokens([1])), "chat.prefix_messages"),
+    (dict(prefix_tokens=pack_tokens([1]), prefix_messages=2), "chat.prefix_messages"),
+    (dict(prefix_tokens=pack_tokens([-1]), prefix_messages=1), "chat.prefix_tokens"),
+])
+def test_an_exact_prefix_is_checked_naming_the_field(fields, field):
+    with pytest.raises(InvalidInput) as e:
+        validate_chat(Chat([USER, USER], **fields))
+    assert e.value.field == field
+
+
+def test_messages_extend_when_only_nulls_and_the_shape_of_text_differ():
+    reply = {"role": "assistant", "content": "", "refusal": None, "reasoning": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    back = {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{}"}}]}
+    new = {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": "ok"}]}
+    assert conversations.extends([USER, reply], [USER, back, new])
+    assert not conversations.extends([USER, reply], [USER, back])  # nothing new
+    changed = back | {"tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{ }"}}]}
+    assert not conversations.extends([USER, reply], [USER, changed, new])
+
+
+async def test_a_streamed_turn_is_recorded_before_its_chunks(make_gateway, make_worker, policy):
+    from streams import sse
+
+    gw = await make_gateway()
+    make_worker()
+    body = dict(model=policy, messages=[USER], max_tokens=3, stream=True)
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http:
+        events = await sse(http, f"{gw.url}/v1/chat/completions", body, gw.headers() | {HEADER: "s1"})
+        assert events[-1] == "[DONE]"
+        record = await _trajectory(http, policy, "s1")
+    assert record["tokens"][:len(_render([USER]))] == _render([USER]) and sum(record["mask"]) == 3

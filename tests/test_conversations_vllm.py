@@ -1,0 +1,161 @@
+"""Acceptance: a three-turn tool conversation through an unchanged client (the openai SDK with
+`default_headers={"X-Rollq-Conversation": ...}`) on the scripted tool-call model (tests/models.py
+`make_tool_model`: its argmax spells hermes calls) through a vLLM worker with vLLM's hermes parser.
+
+Its trajectory holds the ids the engine was prompted with and sampled, turn after turn, with the
+mask, logprobs and versions per token. On this template re-rendering drifts: the template writes a
+call's arguments back as a JSON string (`"arguments": "{\\"city\\": ...}"`) where the policy sampled
+an object, and closes the reply with `<|im_end|>` where it sampled `</s>`; the test counts the turns
+whose rendering (the same request without the header: vLLM's rendering) would have differed and
+checks the reported drift against that count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import openai
+import pytest
+from models import WEATHER_TOOL, make_tool_model
+
+from rollq.conversations import HEADER
+
+MAX_MODEL_LEN = 2048
+USER = {"role": "user", "content": "What is the weather in Paris and Tokyo?"}
+SAMPLING = dict(tools=[WEATHER_TOOL], max_tokens=48, temperature=0, logprobs=True,
+                extra_body={"return_token_ids": True})
+
+
+@pytest.fixture(scope="module")
+async def tool_engine(tmp_path_factory):
+    from conftest import engine_flags
+
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    model = make_tool_model(tmp_path_factory.mktemp("tool-model") / "m")
+    settings = VLLMSettings(**engine_flags(model) | dict(max_model_len=MAX_MODEL_LEN),
+                            enable_auto_tool_choice=True, tool_call_parser="hermes").validate()
+    engine = await VLLMEngine.start(settings)
+    yield engine
+    await engine.close()
+
+
+def _contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+async def test_a_tool_conversation_through_the_openai_sdk_keeps_the_sampled_ids(
+        make_gateway, make_worker, make_client, tool_engine, policy):
+    make_worker(engine=tool_engine, max_inflight=8, max_inflight_seqs=32)
+    gw = await make_gateway()
+    token, base_url = gw.tokens["alice"], f"{gw.url}/v1"
+    turns, rendered = [], []
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0,
+                                  default_headers={HEADER: "agent-1"}) as agent, \
+            openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0) as plain:
+        messages: list = [USER]
+        for then in ("tools", {"role": "user", "content": "And now?"}, None):
+            reply = await agent.chat.completions.create(model=policy, messages=messages, **SAMPLING)
+            # The same request without the header: vLLM's rendering from the text.
+            again = await plain.chat.completions.create(model=policy, messages=messages, **SAMPLING)
+            turns.append(reply)
+            rendered.append(again.model_extra["prompt_token_ids"])
+            message = reply.choices[0].message
+            messages.append(message)  # as agent loops do: the SDK's own message object goes back
+            if then == "tools":
+                for call in message.tool_calls:
+                    city = json.loads(call.function.arguments)["city"]
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": f"sunny in {city}"})
+            elif then is not None:
+                messages.append(then)
+    first, second, third = (t.choices[0].message for t in turns)
+    cities = [json.loads(c.function.arguments) for c in first.tool_calls]
+    assert cities == [{"city": "Paris"}, {"city": "Tokyo"}]
+    assert second.content == "It is sunny in both cities." and not second.tool_calls
+    assert len(third.tool_calls) == 2  # after a user turn the script calls again
+
+    record = await make_client("alice").conversation("agent-1")
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http, \
+            http.get(f"/v1/policies/{policy}/conversations/agent-1") as r:
+        over_http = await r.json()
+    assert r.status == 200 and over_http["tokens"] == record.tokens and over_http["drift"] == record.drift
+    assert record.segments == [0] and [t.continued for t in record.turns] == [False, True, True]
+
+    tokens, sampled_at = record.tokens, set()
+    for k, (reply, turn) in enumerate(zip(turns, record.turns)):
+        prompt, [choice] = reply.model_extra["prompt_token_ids"], reply.choices
+        sampled = choice.model_extra["token_ids"]
+        # The trajectory's ids are the engine's: its prompt, then what it sampled.
+        assert tokens[turn.prompt_start:turn.sample_start] == prompt
+        assert tokens[turn.sample_start:turn.end] == sampled
+        sampled_at.update(range(turn.sample_start, turn.end))
+        logprobs = [c.logprob for c in choice.logprobs.content]
+        assert record.logprobs[turn.sample_start:turn.end] == pytest.approx(logprobs, abs=1e-6)
+        [[version, _]] = choice.model_extra["policy_versions"]
+        assert record.token_versions[turn.sample_start:turn.end] == [version] * len(sampled)
+        assert [c["function"] for c in turn.tool_calls] == \
+            [c.function.model_dump() for c in choice.message.tool_calls or []]
+        if k:  # each later turn's prompt is everything before, exactly, then the new messages
+            assert prompt[:record.turns[k - 1].end] == tokens[:record.turns[k - 1].end]
+    assert record.mask == [int(i in sampled_at) for i in range(len(tokens))]
+    assert all((v is None) == (i not in sampled_at) for i, v in enumerate(record.logprobs))
+    assert all((v == -1) == (i not in sampled_at) for i, v in enumerate(record.token_versions))
+
+    # Drift: the turns whose prompt, rendered from the text, would have had other ids.
+    exact = [t.model_extra["prompt_token_ids"] for t in turns]
+    drifted = sum(e != r for e, r in zip(exact, rendered))
+    assert record.drift == drifted == sum(t.drift for t in record.turns) == 2
+    assert exact[0] == rendered[0]  # the first turn is rendered: nothing sampled before it
+    # What drifted: the first reply's sampled ids are in the exact prompts, not in the rendered ones.
+    first_sampled = turns[0].choices[0].model_extra["token_ids"]
+    assert _contains(exact[1], first_sampled) and not _contains(rendered[1], first_sampled)
+
+
+async def test_a_reply_whose_text_encodes_to_other_ids_is_continued_from_the_sampled_ids(
+        make_gateway, make_worker, tool_engine, policy, tmp_path):
+    """Pure re-tokenization drift: a sample of single letters (logit_bias lets only c, i, t, y be
+    sampled) whose decoded text the byte-level BPE encodes to other ids ("c" "i" -> "ci"). Rendered
+    from its text, the next turn would hold those other ids; the exact path holds the sampled ones.
+    (On this template the rendering differs elsewhere too: an assistant message renders as
+    `<|im_start|>assistant\n`, where the generation prompt the policy saw was `<|assistant|>`.)"""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_engine.llm.model_config.tokenizer)
+    make_worker(engine=tool_engine, max_inflight=8, max_inflight_seqs=32)
+    gw = await make_gateway()
+    token, base_url = gw.tokens["alice"], f"{gw.url}/v1"
+    letters = {str(tokenizer.convert_tokens_to_ids(c)): 100 for c in "city"}
+    hot = dict(max_tokens=8, temperature=1.0, logit_bias=letters, extra_body={"return_token_ids": True})
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0) as plain:
+        for seed in range(8):
+            conversation = f"hot-{seed}"
+            agent = plain.with_options(default_headers={HEADER: conversation})
+            first = await agent.chat.completions.create(model=policy, messages=[USER], seed=seed, **hot)
+            sampled = first.choices[0].model_extra["token_ids"]
+            text = first.choices[0].message.content
+            if tokenizer.encode(text, add_special_tokens=False) != sampled:
+                break
+        else:
+            raise AssertionError("no sample whose text encodes to other ids in 8 seeds")
+        messages = [USER, first.choices[0].message, {"role": "user", "content": "More?"}]
+        second = await agent.chat.completions.create(model=policy, messages=messages, max_tokens=4,
+                                                     temperature=0, extra_body={"return_token_ids": True})
+        rendered = await plain.chat.completions.create(model=policy, messages=messages, max_tokens=4,
+                                                       temperature=0, extra_body={"return_token_ids": True})
+    p1 = first.model_extra["prompt_token_ids"]
+    exact, again = second.model_extra["prompt_token_ids"], rendered.model_extra["prompt_token_ids"]
+    assert exact[:len(p1) + len(sampled)] == p1 + sampled
+    # Rendered from the text, the reply is its re-encoding; the sampled ids are nowhere in it.
+    assert not _contains(again, sampled) and tokenizer.decode(sampled) == text
+    record = await gw_conversation(gw, policy, conversation)
+    assert record["drift"] == 1 and record["segments"] == [0]
+    assert record["tokens"][:len(exact)] == exact
+
+
+async def gw_conversation(gw, policy: str, conversation: str) -> dict:
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http, \
+            http.get(f"/v1/policies/{policy}/conversations/{conversation}") as r:
+        assert r.status == 200
+        return await r.json()
