@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from rollq.gateway.api import heavy_turn
 from rollq.gateway.http import body_bytes, decode_body, reply
 from rollq.gateway.render import refuse_template
 from rollq.gateway.state import GATEWAY
@@ -114,7 +115,9 @@ async def _max_model_len(request: web.Request, policy: str) -> int | None:
 
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    req = decode_body(request, await body_bytes(request), TokenizeRequest)
+    data = await body_bytes(request)
+    async with heavy_turn(request, data):  # as a completion's: a 16 MiB prompt decodes on the loop
+        req = decode_body(request, data, TokenizeRequest)
     policy = await policy_of(request, req.model)
     _need_tokenizer(request, "messages" if req.messages is not None else "prompt")
     trusted = gw.settings.trust_request_chat_template
@@ -134,7 +137,9 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    req = decode_body(request, await body_bytes(request), DetokenizeRequest)
+    data = await body_bytes(request)
+    async with heavy_turn(request, data):
+        req = decode_body(request, data, DetokenizeRequest)
     await policy_of(request, req.model)
     _need_tokenizer(request, "tokens")
     text = await gw.render.decode(req.tokens)
