@@ -22,6 +22,7 @@ TOKENIZE = [
     {"prompt": "<s> w10 w500 <|end|>", "add_special_tokens": False, "return_token_strs": True},
     {"prompt": "", "return_token_strs": True},
     {"messages": [SYSTEM, USER]},
+    {"messages": [USER], "add_generation_prompt": False},
     {"messages": [SYSTEM, USER], "add_special_tokens": True, "return_token_strs": True},
     {"messages": [USER, ASSISTANT], "add_generation_prompt": False, "continue_final_message": True},
     {"messages": [USER], "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": True}},
@@ -88,10 +89,12 @@ async def test_what_vllm_refuses_rollq_refuses(gateway, vllm_server, policy):
     theirs = await vllm_server.ready()
     # (chat_template_kwargs.tokenize: vLLM 0.32's server answers 200 and the gateway a 400,
     # the stricter side of the rule: tests/test_gateway_render.py.)
-    bad = [{"messages": [USER], "add_generation_prompt": True, "continue_final_message": True}]
+    bad = [("/tokenize", {"messages": [USER], "add_generation_prompt": True, "continue_final_message": True}),
+           ("/tokenize", {"prompt": 5}), ("/tokenize", {"messages": "w10"}),
+           ("/detokenize", {"tokens": [-1]}), ("/detokenize", {"tokens": "w10"})]
     async with aiohttp.ClientSession(headers=gateway.headers()) as ours, aiohttp.ClientSession() as vllm:
-        for body in bad:
-            status, want = await _post(vllm, f"{theirs}/tokenize", {"model": "tiny", **body})
+        for path, body in bad:
+            status, want = await _post(vllm, f"{theirs}{path}", {"model": "tiny", **body})
             assert status == 400, (body, want)
-            status, got = await _post(ours, f"{gateway.url}/tokenize", {"model": policy, **body})
+            status, got = await _post(ours, f"{gateway.url}{path}", {"model": policy, **body})
             assert status == 400 and got["error"]["field"], (body, got)
