@@ -150,3 +150,51 @@ async def test_deeply_nested_bodies_are_400s_naming_the_limit(make_gateway, make
             status, _, message = await _error(r) if r.status != 200 else (200, None, "")
         assert status < 500 and "nested" not in message, message
     assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"
+
+
+async def test_tokenize_refuses_hostile_bodies_with_400s_naming_the_field(make_gateway, make_worker, policy,
+                                                                          tokenizer, caplog):
+    """/tokenize and /detokenize (vLLM's, issue 26): the same caps as chat and episodes, before
+    anything is tokenized; a caller's template only when trusted; never a 500."""
+    gw = await make_gateway(tokenizer=tokenizer)
+    make_worker()
+    chat = {"model": policy, "messages": USER}
+    cases = [({**chat, "messages": [{"role": "user", "content": "w10", "x": nested(500)}]}, "messages",
+              f"the limit is {MAX_DEPTH}"),
+             ({**chat, "chat_template": LOOP}, "chat_template", "--trust-request-chat-template"),
+             ({**chat, "chat_template_kwargs": {"chat_template": LOOP}}, "chat_template_kwargs.chat_template",
+              "--trust-request-chat-template"),
+             ({**chat, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs.tokenize",
+              "refused"),
+             ({**chat, "messages": [{"role": "user", "content": [{"type": "text", "text": "w10"}]}]},
+              "messages[0].content", "must be a string"),
+             ({**chat, "prompt": "w10"}, "prompt", "not both"),
+             ({"model": policy}, "prompt", "give a prompt"),
+             ({**chat, "continue_final_message": True}, "continue_final_message", "Cannot set both")]
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
+        async with post_big(http, "/tokenize", {"model": policy, "prompt": "w10 " * (2 * 1024 * 1024)}) as r:
+            status, field, message = await _error(r)
+        assert (status, field) == (400, "prompt") and f"the limit is {MAX_PROMPT_CHARS}" in message, message
+        for body, expected, words in cases:
+            async with http.post("/tokenize", json=body) as r:
+                status, field, message = await _error(r)
+            assert (status, field) == (400, expected) and words in message, (body, message)
+        async with http.post("/detokenize", json={"model": policy, "tokens": [10, len(tokenizer)]}) as r:
+            status, field, message = await _error(r)
+        assert (status, field) == (400, "tokens") and "outside the tokenizer's vocabulary" in message, message
+        async with http.post("/tokenize", json={"prompt": "w10 w11"}) as r:  # the token's one policy
+            assert r.status == 200 and (await r.json())["tokens"] == [10, 11]
+    # The template bomb, trusted, costs a helper its time bound, not the loop.
+    trusting = await make_gateway(tokenizer=tokenizer, trust_request_chat_template=True)
+    no_tokenizer = await make_gateway()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{trusting.url}/tokenize", json={**chat, "chat_template": LOOP},
+                             headers=trusting.headers()) as r:
+            status, field, message = await _error(r)
+        assert (status, field) == (400, "messages") and f"{RENDER_TIMEOUT_S} s" in message, message
+        for path, body, field_name in (("/tokenize", chat, "messages"),
+                                       ("/detokenize", {"tokens": [1]}, "tokens")):
+            async with http.post(f"{no_tokenizer.url}{path}", json=body, headers=no_tokenizer.headers()) as r:
+                status, field, message = await _error(r)
+            assert (status, field) == (400, field_name) and "--tokenizer" in message, message
+    assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"

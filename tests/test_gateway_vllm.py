@@ -106,3 +106,20 @@ def _word_tokenizer(path):
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="w0").save_pretrained(path)
     return path
+
+
+async def test_models_carry_the_vllm_workers_max_model_len(make_gateway, make_vllm_worker, policy):
+    """A vLLM worker reports its engine's max_model_len in its heartbeat; /v1/models carries it
+    (vLLM's model card field), and null once no worker is live."""
+    from conftest import ENGINE_MAX_MODEL_LEN
+
+    gw = await make_gateway(policies=[policy])  # listed with or without live workers
+    worker, task = make_vllm_worker()
+    await gw.live(policy)
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.tokens["alice"]) as client:
+        [card] = (await client.models.list()).data
+        assert card.id == policy and card.max_model_len == ENGINE_MAX_MODEL_LEN
+        worker.stop()
+        await task
+        [card] = (await client.models.list()).data
+        assert card.max_model_len is None

@@ -248,6 +248,11 @@ class VLLMEngine:
         return self.llm.model_config.get_vocab_size()
 
     @property
+    def max_model_len(self) -> int:
+        """The context length (reported in the heartbeat: `/v1/models`, `/tokenize`)."""
+        return self.llm.model_config.max_model_len
+
+    @property
     def max_num_seqs(self) -> int:
         return self.llm.vllm_config.scheduler_config.max_num_seqs
 

@@ -33,6 +33,7 @@ from rollq.queue import jobs
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
+from rollq.queue.workers import live_workers, max_model_len
 from rollq.registry.commit import commit_version
 from rollq.registry.safetensors_check import WeightError
 from rollq.registry.store import WeightStore
@@ -326,7 +327,10 @@ async def models(request: web.Request) -> web.Response:
     who = gw.tokens.principal(request)
     names = [p for p in (gw.settings.policies or await policies(gw.redis)) if who.may_use(p)]
     now = int(time.time())
+    # max_model_len: as vLLM's model card, the context length; here the least the policy's live
+    # workers report (None while none is live: vLLM's field is optional too).
     data = [dict(id=name, object="model", created=now, owned_by="rollq", root=name,
+                 max_model_len=max_model_len(await live_workers(gw.redis, Keys(name))),
                  latest_version=await Registry(gw.redis, Keys(name)).latest()) for name in names]
     return web.json_response(dict(object="list", data=data))
 

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from rollq.gateway import api, trl_compat
 from rollq.gateway import episodes as ep
+from rollq.gateway import tokenize as tk
 from rollq.conversations import Trajectory
 from rollq.gateway.chat import ChatCompletionRequest, chat_completions, get_conversation
 from rollq.gateway.completions import CompletionRequest
@@ -117,6 +118,11 @@ ROUTES = [
     Route("POST", "/v1/chat/completions", chat_completions,
           "OpenAI/vLLM-compatible chat completions via the queue (rendered on the workers)", "openai",
           body=ChatCompletionRequest, errors=(400, 401, 403, 409, 413, 429, 504)),
+    Route("POST", "/tokenize", tk.tokenize,
+          "vLLM's: a prompt or chat messages as token ids, with the gateway's --tokenizer", "openai",
+          body=tk.TokenizeRequest, reply=tk.TokenizeResponse),
+    Route("POST", "/detokenize", tk.detokenize, "vLLM's: token ids as text, with the gateway's --tokenizer",
+          "openai", body=tk.DetokenizeRequest, reply=tk.DetokenizeResponse),
     # What TRL's VLLMClient calls beside the OpenAI routes (gateway/trl_compat.py).
     Route("GET", "/get_world_size", trl_compat.world_size, "vLLM's: the policy's live workers", "trl",
           errors=(400, 401, 403)),

@@ -161,14 +161,25 @@ def _start_helper(tokenizer_dir: str, fast: bool) -> None:
     signal.signal(signal.SIGALRM, _on_alarm)
 
 
-def _render(kind: str, args: tuple) -> tuple[str, list[int]]:
-    """In a helper: ("", token ids), or (the refusal's message, [])."""
+def _render(kind: str, args: tuple) -> tuple[str, Any]:
+    """In a helper: ("", token ids (or a decode's text, or a tokenize's [ids, token strings])),
+    or (the refusal's message, [])."""
     from rollq.episodes import chat_continuation  # imported by _start_helper
 
     signal.setitimer(signal.ITIMER_REAL, RENDER_TIMEOUT_S)
     try:
         if kind == "encode":
             return "", list(_tokenizer.encode(*args))
+        if kind == "decode":  # /detokenize: as vLLM's renderer, special tokens kept
+            return "", _tokenizer.decode(args[0])
+        if kind == "tokenize":  # /tokenize: the ids, and their token strings when asked for
+            prompt, kwargs, strs = args
+            if isinstance(prompt, str):
+                ids = _tokenizer.encode(prompt, **kwargs)
+            else:  # as vLLM's renderer: rendered and tokenized by the template (return_dict=False)
+                ids = _tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=False, **kwargs)
+            ids = [int(t) for t in ids]  # a kwarg such as return_tensors makes other types
+            return "", [ids, _tokenizer.convert_ids_to_tokens(ids) if strs else None]
         messages, kwargs = args
         if kind == "continuation":
             return "", chat_continuation(_tokenizer, messages, **kwargs)
@@ -287,6 +298,34 @@ class RenderWorkers:
         check_tree(kwargs, "chat_template_kwargs")
         refuse_template(trusted, kwargs)
         return await self.run("messages", "chat" if first else "continuation", messages, kwargs)
+
+    async def tokenize(self, prompt: str | list[dict[str, Any]], kwargs: dict[str, Any], strs: bool,
+                       trusted: bool) -> tuple[list[int], list[str] | None]:
+        """`POST /tokenize`: a text `prompt` (kwargs: add_special_tokens) or chat messages
+        (kwargs: the template's, tools among them) as vLLM's server tokenizes them; the ids and,
+        with `strs`, their token strings."""
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise InvalidInput("prompt", f"has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+            field = "prompt"
+        else:
+            check_chat(prompt, kwargs.get("tools"), {k: v for k, v in kwargs.items() if k != "tools"})
+            refuse_template(trusted, kwargs)
+            field = "messages"
+        ids, token_strs = await self.run(field, "tokenize", prompt, kwargs, strs)
+        return ids, token_strs
+
+    async def decode(self, ids: list[int], field: str = "tokens") -> str:
+        """`POST /detokenize`: ids inside the tokenizer's vocabulary (checked here), as text."""
+        if len(ids) > MAX_PROMPT_CHARS:
+            raise InvalidInput(field, f"has {len(ids)} tokens; the limit is {MAX_PROMPT_CHARS}")
+        if self.tokenizer is not None:
+            size = len(self.tokenizer)
+            if ids and not 0 <= min(ids) <= max(ids) < size:  # in C: a million ids in ~20 ms
+                bad = next(t for t in ids if not 0 <= t < size)
+                raise InvalidInput(field, f"token id {bad} is outside the tokenizer's vocabulary of "
+                                          f"{size} tokens (ids 0..{size - 1})")
+        return await self.run(field, "decode", ids)
 
     async def encode(self, text: str, field: str) -> list[int]:
         if len(text) > MAX_PROMPT_CHARS:

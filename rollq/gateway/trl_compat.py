@@ -49,16 +49,21 @@ weights or pause the server, and older TRLs' `trl vllm-serve` names."""
 
 
 async def _policy(request: web.Request) -> str:
+    return await policy_of(request, request.query.get("model"))
+
+
+async def policy_of(request: web.Request, model: str | None) -> str:
+    """`model` checked against the caller's token, else the one policy the token may use."""
     gw = request.app[GATEWAY]
     who = gw.tokens.principal(request)
-    if model := request.query.get("model"):
+    if model:
         return allowed(who, model)
     if "*" not in who.policies and len(who.policies) == 1:
         return allowed(who, who.policies[0])
     usable = [p for p in (gw.settings.policies or await policies(gw.redis)) if who.may_use(p)]
     if len(usable) != 1:
         raise ApiError(400, f"this token may use {len(usable)} policies here ({', '.join(usable[:8])}): "
-                            "name one with ?model=POLICY", "model")
+                            "name one with ?model=POLICY (in a body: model)", "model")
     return usable[0]
 
 

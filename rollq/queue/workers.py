@@ -62,6 +62,9 @@ class WorkerState(msgspec.Struct, frozen=True):
     """Adapter versions loaded in its engine beside `version`, served without a swap."""
     capacity: int | None = None
     """Groups it holds at most (max_inflight); None from a worker that does not say."""
+    max_model_len: int | None = None
+    """Its engine's context length (vLLM's `max_model_len`); None from an engine without one
+    (the instant engine) or a worker that does not say."""
 
 
 async def live_workers(redis: Redis, keys: Keys) -> list[WorkerState]:
@@ -70,6 +73,13 @@ async def live_workers(redis: Redis, keys: Keys) -> list[WorkerState]:
         return []
     beats = await redis.mget([keys.worker(i.decode()) for i in ids])
     return [msgspec.json.decode(b, type=WorkerState) for b in beats if b]
+
+
+def max_model_len(workers: list[WorkerState]) -> int | None:
+    """The context length every one of `workers` serves (the least they report; vLLM's
+    `/v1/models` and `/tokenize` report their one engine's); None when none reports one."""
+    lengths = [w.max_model_len for w in workers if w.max_model_len is not None]
+    return min(lengths) if lengths else None
 
 
 PINNED_GRACE_S = 300.0

@@ -29,10 +29,11 @@ class Heartbeat:
 
     async def beat(self, *, version: int, inflight: int, state: str, last_error: str = "",
                    pinned: bool = False, totals: Totals | None = None,
-                   capacity: int | None = None) -> None:
+                   capacity: int | None = None, max_model_len: int | None = None) -> None:
         now = time.time()
         beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned,
-                           totals or Totals(), self.target, sorted(self.adapters), capacity)
+                           totals or Totals(), self.target, sorted(self.adapters), capacity,
+                           max_model_len)
         # No MULTI (a cluster pipeline cannot be one): live_workers reads only beats whose key
         # exists, so a sorted-set entry without its beat is harmless.
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -363,7 +363,8 @@ class Worker:
         self.stats.version.set(self.engine.version)
         await self.heartbeat.beat(version=self.engine.version, inflight=len(self._held),
                                   state=self.state, last_error=self.last_error, pinned=self.pinned,
-                                  totals=self.stats.totals, capacity=self.max_inflight)
+                                  totals=self.stats.totals, capacity=self.max_inflight,
+                                  max_model_len=getattr(self.engine, "max_model_len", None))
 
     async def _renew_once(self) -> None:
         await self._hand_back_unheld()
