@@ -21,10 +21,10 @@ publishes the weights as the next version. The steps are on-policy (one version 
 update per batch), so no importance ratio: the behaviour logprobs of constrained tokens are those
 of vLLM's grammar-masked distribution, which a plain forward pass does not reproduce.
 
+    python examples/openai_agent_grpo.py --model DIR --make-model     # the tiny model and its tokenizer
     rollq worker --policy agent --engine vllm --model DIR --enable-auto-tool-choice --tool-call-parser hermes
-    rollq gateway --tokens tokens.json        # a token with scopes rollouts (the agent's)
-    python examples/openai_agent_grpo.py --model DIR --token TOKEN --steps 12
-(`--make-model DIR` writes the tiny model and its tokenizer first.)
+    rollq gateway --tokens tokens.json                                  # a token of trainer T
+    python examples/openai_agent_grpo.py --model DIR --token TOKEN --trainer-id T --steps 12
 """
 
 from __future__ import annotations
@@ -189,23 +189,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--gateway", default="http://127.0.0.1:8000")
-    parser.add_argument("--token", required=True, help="a gateway token of the trainer (scope rollouts)")
-    parser.add_argument("--trainer-id", required=True, help="the token's trainer: its conversations")
+    parser.add_argument("--token", help="a gateway token of the trainer (scope rollouts)")
+    parser.add_argument("--trainer-id", help="the token's trainer (whose conversations these are)")
     parser.add_argument("--policy", default="agent")
     parser.add_argument("--model", type=Path, required=True, help="the worker's --model directory")
     parser.add_argument("--make-model", action="store_true", help="write the tiny model to --model first")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--groups", type=int, default=6, help="GRPO groups (of 8 conversations) per step")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.make_model:
         make_agent_model(args.model)
         return
+    if not (args.token and args.trainer_id):
+        parser.error("--token and --trainer-id are needed to train")
     torch.set_num_threads(1)
 
     async def run() -> None:
         async with RolloutClient(args.redis_url, policy=args.policy, trainer_id=args.trainer_id) as client:
             stats = await train(args.gateway, args.token, client, EpisodeTrainer(args.model),
-                                model=args.policy, steps=args.steps, groups=4, n=8, seed=args.seed,
+                                model=args.policy, steps=args.steps, groups=args.groups, n=8, seed=args.seed,
                                 on_step=lambda s: print(f"step {s.step} (version {s.version}): "
                                                         f"reward {s.reward:.3f}"))
             print(f"{stats[-1].wall_s:.1f} s, reward {stats[0].reward:.3f} -> {stats[-1].reward:.3f}")

@@ -14,7 +14,7 @@ from rollq.registry.safetensors_check import dir_schema
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-STEPS, GROUPS, N = 10, 4, 8
+STEPS, GROUPS, N = 12, 6, 8
 
 
 async def test_the_openai_agent_learns_from_its_exact_trajectories(make_worker, make_client, make_gateway,
@@ -59,5 +59,6 @@ async def test_the_openai_agent_learns_from_its_exact_trajectories(make_worker, 
             assert {v for v, m in zip(trajectory.token_versions, trajectory.mask) if m} == {s.version}
             assert all(v == -1 for v, m in zip(trajectory.token_versions, trajectory.mask) if not m)
     assert [s.version for s in stats] == list(range(STEPS))
-    first, last = statistics.mean(rewards[:3]), statistics.mean(rewards[-3:])
-    assert last > first + 0.3, rewards
+    # Five runs (model and question seeds 0-4): the first two steps 0.25-0.41, the last three 0.98-1.0.
+    first, last = statistics.mean(rewards[:2]), statistics.mean(rewards[-3:])
+    assert last > first + 0.3 and last >= 0.85, rewards
