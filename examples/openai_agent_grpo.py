@@ -17,7 +17,8 @@ pinned to the step's version (`exact_version`); the trainer fetches each convers
 trajectory (`RolloutClient.conversation(id)`: the ids the engine was prompted with and sampled,
 the mask of sampled tokens, their versions), computes group-normalised advantages, takes one
 policy-gradient step on the mask-1 tokens only (tool_agent's `EpisodeTrainer.policy_step`) and
-publishes the weights as the next version. The steps are on-policy (one version per step, one
+publishes the weights as the next version (a step whose groups all have equal rewards, which
+teach nothing, takes no optimiser step). The steps are on-policy (one version per step, one
 update per batch), so no importance ratio: the behaviour logprobs of constrained tokens are those
 of vLLM's grammar-masked distribution, which a plain forward pass does not reproduce.
 
@@ -57,6 +58,8 @@ GUESS = {"type": "function", "function": {
     "name": "guess", "description": "Guess the secret color.", "strict": True,
     "parameters": {"type": "object", "properties": {"color": {"type": "string", "enum": COLORS}},
                    "required": ["color"], "additionalProperties": False}}}
+LR = 5e-3
+"""Adam's learning rate: at tool_agent's 1e-2 a step on a few informative groups could undo the task."""
 QUESTIONS = ["Guess the secret color.", "Which color is the secret?", "Find the secret color, then tell me.",
              "What is the secret color?"]
 
@@ -175,7 +178,8 @@ async def train(gateway_url: str, token: str, client: RolloutClient, trainer: Ep
                 rewards += r.tolist()
                 advantages += ((r - r.mean()) / (r.std() + 1e-4)).tolist()
                 rows += [(t.tokens, t.mask, t.logprobs) for _, _, t in group]
-            await asyncio.to_thread(trainer.policy_step, rows, advantages, importance=False)
+            if any(advantages):  # else no step: Adam would move the weights on its momentum alone
+                await asyncio.to_thread(trainer.policy_step, rows, advantages, importance=False)
             stats.append(Step(step, version, time.monotonic() - began, statistics.mean(rewards),
                               [c for group in batch for c in group]))
             version += 1
@@ -207,7 +211,7 @@ def main() -> None:
 
     async def run() -> None:
         async with RolloutClient(args.redis_url, policy=args.policy, trainer_id=args.trainer_id) as client:
-            stats = await train(args.gateway, args.token, client, EpisodeTrainer(args.model),
+            stats = await train(args.gateway, args.token, client, EpisodeTrainer(args.model, lr=LR),
                                 model=args.policy, steps=args.steps, groups=args.groups, n=8, seed=args.seed,
                                 on_step=lambda s: print(f"step {s.step} (version {s.version}): "
                                                         f"reward {s.reward:.3f}"))

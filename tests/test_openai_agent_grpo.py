@@ -19,7 +19,7 @@ STEPS, GROUPS, N = 12, 6, 8
 
 async def test_the_openai_agent_learns_from_its_exact_trajectories(make_worker, make_client, make_gateway,
                                                                    policy, tmp_path):
-    from openai_agent_grpo import EpisodeTrainer, make_agent_model, train
+    from openai_agent_grpo import LR, EpisodeTrainer, make_agent_model, train
 
     from rollq.config import VLLMSettings
     from rollq.engine.vllm import VLLMEngine
@@ -33,7 +33,7 @@ async def test_the_openai_agent_learns_from_its_exact_trajectories(make_worker, 
                                    max_inflight_seqs=32)
         gw = await make_gateway()
         client = make_client("alice", weight_store=str(tmp_path / "store"))
-        stats = await train(gw.url, gw.tokens["alice"], client, EpisodeTrainer(model), model=policy,
+        stats = await train(gw.url, gw.tokens["alice"], client, EpisodeTrainer(model, lr=LR), model=policy,
                             steps=STEPS, groups=GROUPS, n=N,
                             on_step=lambda s: print(f"step {s.step}: reward {s.reward:.3f} "
                                                     f"({s.wall_s:.1f} s)"))
