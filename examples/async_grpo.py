@@ -37,10 +37,10 @@ BUDGETS = [(16, 0.75), (48, 0.19), (192, 0.06)]
 """Token budgets and their shares: a long tail (the mean is 36 tokens, the longest 192)."""
 
 
-def make_model(path: Path, seed: int = 0) -> Path:
+def make_model(path: Path, seed: int = 0, vocab: int = VOCAB) -> Path:
     """A random 2-layer Llama (head_dim 64), float32 safetensors; nothing is downloaded."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=512, bos_token_id=BOS, eos_token_id=EOS)
     LlamaForCausalLM(config).save_pretrained(path)

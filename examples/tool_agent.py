@@ -99,28 +99,36 @@ class EpisodeTrainer(GRPOTrainer):
             adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
             rows += group
             advantages += adv.tolist()
+        self.policy_step([(e.tokens, e.mask, e.logprobs) for e in rows], advantages)
+        return sum(rewards_all) / len(rewards_all)
+
+    def policy_step(self, rows: list[tuple[list[int], list[int], list[float | None]]],
+                    advantages: list[float], *, importance: bool = True) -> None:
+        """One policy-gradient step on whole sequences (tokens, mask, behaviour logprobs: NaN or None
+        where not sampled), each with its advantage; the loss counts only mask-1 tokens.
+        `importance`: weigh each token by its truncated ratio current / behaviour probability."""
         self.optimizer.zero_grad()
-        width = max(len(e.tokens) for e in rows)
+        width = max(len(tokens) for tokens, _, _ in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         attention = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width)
         old = torch.zeros(len(rows), width)
-        for i, e in enumerate(rows):
-            ids[i, :len(e.tokens)] = torch.tensor(e.tokens)
-            attention[i, :len(e.tokens)] = 1
-            mask[i, :len(e.tokens)] = torch.tensor(e.mask, dtype=torch.float32)
-            old[i, :len(e.tokens)] = torch.tensor([0.0 if math.isnan(x) else x for x in e.logprobs])
+        for i, (tokens, sampled, logprobs) in enumerate(rows):
+            ids[i, :len(tokens)] = torch.tensor(tokens)
+            attention[i, :len(tokens)] = 1
+            mask[i, :len(tokens)] = torch.tensor(sampled, dtype=torch.float32)
+            old[i, :len(tokens)] = torch.tensor([0.0 if x is None or math.isnan(x) else x for x in logprobs])
         logits = self.model(ids, attention_mask=attention).logits
         # Position j predicts token j + 1: token k's logprob is at position k - 1.
         logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
         mask, old = mask[:, 1:], old[:, 1:]
-        ratio = torch.exp((logp - old).clamp(-20, 20)).clamp(max=self.max_ratio).detach()
+        ratio = torch.exp((logp - old).clamp(-20, 20)).clamp(max=self.max_ratio).detach() if importance \
+            else torch.ones_like(logp)
         objective = ratio * torch.tensor(advantages)[:, None] * logp
         loss = -(objective * mask).sum() / mask.sum()  # the tool's tokens (mask 0) never count
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
-        return sum(rewards_all) / len(rewards_all)
 
 
 async def rollout(episodes, rng: random.Random, n: int, version: int) -> list[Episode]:
