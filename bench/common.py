@@ -1,5 +1,6 @@
 """What several benchmarks share: random Llama models made on the spot (nothing is downloaded),
-process CPU time, and the JSON result file."""
+optionally with a tokenizer and a hermes tool-call chat template, process CPU time, and the JSON
+result file."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def make_llama(path: Path, *, hidden: int, layers: int, vocab: int, intermediate: int,
-               seed: int = 0) -> Path:
-    """A random Llama (head_dim 64, as vLLM's CPU attention needs), float32 safetensors."""
+               seed: int = 0, chat: bool = False) -> Path:
+    """A random Llama (head_dim 64, as vLLM's CPU attention needs), float32 safetensors; with
+    `chat`, also a byte-level tokenizer over its whole vocabulary and `HERMES_TEMPLATE`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -31,7 +33,52 @@ def make_llama(path: Path, *, hidden: int, layers: int, vocab: int, intermediate
                          num_key_value_heads=max(1, heads // 2), max_position_embeddings=2048,
                          bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(config).save_pretrained(path)
+    if chat:
+        save_byte_tokenizer(path, vocab=vocab, specials=HERMES_SPECIALS, chat_template=HERMES_TEMPLATE)
     return path
+
+
+# ChatML with tools in the system turn and an assistant's calls as hermes `<tool_call>` JSON:
+# what `--tool-call-parser hermes` reads back.
+HERMES_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+HERMES_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>{\"name\": \"{{ tc.function.name }}\", "
+    "\"arguments\": {{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}"
+    "{%- elif m.content is string %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_level_vocab(specials: list[str], size: int) -> dict[str, int]:
+    """`specials` (ids 0..), every byte-level character, then words "w0", "w1", .. up to `size`."""
+    from tokenizers import pre_tokenizers
+
+    vocab = {name: i for i, name in enumerate(specials)}
+    vocab |= {c: len(specials) + i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    word = 0
+    while len(vocab) < size:
+        vocab.setdefault(f"w{word}", len(vocab))
+        word += 1
+    return vocab
+
+
+def save_byte_tokenizer(path: Path, *, vocab: int, specials: list[str], chat_template: str) -> None:
+    """A byte-level BPE tokenizer (no merges: any text encodes, byte by byte) over `vocab` ids
+    (`byte_level_vocab`), `specials[:3]` being unk, bos and eos, saved with `chat_template`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(byte_level_vocab(specials, vocab), merges=[], unk_token=specials[0]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    unk, bos, eos = specials[:3]
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token=unk, bos_token=bos, eos_token=eos,
+                            chat_template=chat_template).save_pretrained(path)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -95,9 +95,25 @@ def _passthrough(r: dict) -> list[str]:
             f"Llama (hidden {m['hidden']}, {m['layers']} layers, vocab {m['vocab']}), float32, max_num_seqs "
             f"256, median of {r['repeats']}.", "",
             "| path | tokens/s | CPU s per 1,000 groups (outside the engine core) |", "|---|---|---|"]
+    if r.get("parsing"):  # (results before issue 26's acceptance 5 have no such field)
+        rows[0] += (" Parsing on: the model has a tokenizer and a hermes tool-call template, the worker "
+                    "runs with `--enable-auto-tool-choice --tool-call-parser hermes`.")
     for name, rate in r["tokens_per_s"].items():
         rows.append(f"| {name} | {rate:,.0f} | {r['cpu_s_per_1k_groups'][name]:.1f} |")
+    chat = r.get("chat")
+    if chat:
+        for name, rate in chat["tokens_per_s"].items():
+            rows.append(f"| {name} | {rate:,.0f} | {chat['cpu_s_per_1k_groups'][name]:.1f} |")
     rows += ["", f"rollq / raw: **{r['ratio']:.3f}** (target >= 0.97: {_met(r['ratio'] >= 0.97)})."]
+    if chat:
+        rows += ["", f"Chats (`submit_chat` with one tool, prompts of {chat['prompt_tokens']:.0f} rendered "
+                     f"ids): rollq chat / raw: **{chat['ratio']:.3f}**. The worker renders each chat and "
+                     "runs the hermes parser on every sample; raw gets the same rendered ids and "
+                     "SamplingParams (text decoded) and neither renders nor parses, so this ratio prices "
+                     "render + parse."]
+    if r.get("load"):
+        rows += ["", f"Load average (1 min) {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end "
+                     "(2 cores; other sessions' runs share them)."]
     return rows
 
 
