@@ -225,6 +225,11 @@ class Episodes:
         """Turn jobs of this object between their episode_start/turn and their enqueue."""
         self._adopted = 0
 
+    @property
+    def closing(self) -> bool:
+        """`close()` was called: nothing opens it again."""
+        return self._stopping
+
     async def close(self) -> None:
         self._stopping = True
         if self._router is not None:

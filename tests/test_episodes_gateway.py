@@ -93,3 +93,29 @@ async def _pruned(redis, policy: str, trainer: str) -> bool:
 
 async def _acked(redis, policy: str, trainer: str) -> bool:
     return not await jobs.outstanding(redis, Keys(policy), trainer)
+
+
+async def test_a_take_over_that_meets_redis_unreachable_tries_again(make_client, make_worker, monkeypatch):
+    """A gateway restarted into a Redis outage: opening the Episodes it takes over fails at first
+    and must be tried again until it holds the owner and its router runs. A GET does not open an
+    Episodes, so a trainer that only asks after its unanswered turn would leave it running (the
+    CI's episode chaos run: a branch stuck behind a gateway SIGKILL and a Redis fault)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from rollq.gateway import episodes as gateway_episodes
+
+    make_worker()
+    episodes = make_client("alice").episodes(owner="gw-1")
+    open_now, failed = episodes.open, []
+
+    async def open_once_redis_is_back():
+        if len(failed) < 2:
+            failed.append("unreachable")
+            raise RedisConnectionError("Error 111 connecting: Redis is restarting")
+        await open_now()
+
+    monkeypatch.setattr(episodes, "open", open_once_redis_is_back)
+    await asyncio.wait_for(gateway_episodes._opened(episodes), timeout=30)
+    assert failed == ["unreachable", "unreachable"]
+    assert episodes._router is not None and not episodes._router.done()
+    await episodes.close()

@@ -23,6 +23,8 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.episodes import Episode, EpisodeError, Episodes, Turn
 from rollq.gateway.api import _context
@@ -136,11 +138,27 @@ def _made(app: web.Application, gw: Gateway, policy: str, trainer: str) -> Episo
     return made[key]
 
 
+REOPEN_MAX_S = 5.0
+"""Longest wait between two tries to open an Episodes (or to take over) while Redis is unreachable."""
+
+
 async def _opened(episodes: Episodes) -> None:
-    try:
-        await episodes.open()
-    except Exception as e:  # noqa: BLE001 (its requests see it again: each call opens first)
-        log.warning("episodes of %s on %s: %s", episodes.trainer, episodes.keys.policy, e)
+    """Open it (hold the owner, start the result router, free the turns never queued), trying
+    again while Redis is unreachable: a take-over must not depend on a later request (a GET does
+    not open an Episodes, and a trainer whose turn went unanswered may only GET)."""
+    delay = 0.25
+    while not episodes.closing:
+        try:
+            await episodes.open()
+            return
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            log.warning("episodes of %s on %s: Redis unreachable (%s); trying again", episodes.trainer,
+                        episodes.keys.policy, e)
+        except Exception as e:  # noqa: BLE001 (its requests see it again: each call opens first)
+            log.warning("episodes of %s on %s: %s", episodes.trainer, episodes.keys.policy, e)
+            return
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, REOPEN_MAX_S)
 
 
 TAKE_OVER_WINDOW_S = 86_400
@@ -221,13 +239,25 @@ async def end_episode(request: web.Request) -> web.Response:
     return reply(request, episode_view(await _guarded(episode_id, episodes.end(episode_id))))
 
 
+async def _take_over_until_done(app: web.Application) -> None:
+    """`_take_over`, tried again while Redis is unreachable (a gateway restarted into an outage)."""
+    delay = 0.25
+    while True:
+        try:
+            await _take_over(app)
+            return
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            log.warning("episodes: could not take this gateway's episodes over yet (%s); trying again", e)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, REOPEN_MAX_S)
+
+
 async def lifetime(app: web.Application):
-    """cleanup_ctx: take this gateway id's episodes over at start-up; close every Episodes
-    (their result routers and owner leases) when the app stops."""
-    try:
-        await _take_over(app)
-    except Exception as e:  # noqa: BLE001 (Redis down at start-up: requests open them later)
-        log.warning("episodes: could not take over this gateway's episodes at start-up: %s", e)
+    """cleanup_ctx: take this gateway id's episodes over at start-up (in the background, until it
+    succeeds); close every Episodes (their result routers and owner leases) when the app stops."""
+    taking_over = asyncio.get_running_loop().create_task(_take_over_until_done(app),
+                                                         name="episodes-take-over")
     yield
+    taking_over.cancel()
     for episodes in app[EPISODES].values():
         await episodes.close()
