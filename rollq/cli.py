@@ -361,8 +361,11 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
 @click.option("--seed", type=int, default=None, help="Random seed (printed; default: random).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the summary here.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="--episodes: keep the journals, the processes' logs and Redis's data here "
+                   "[default: a temporary directory, removed].")
 def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, seed: int | None,
-          json_path: str | None) -> None:
+          json_path: str | None, workdir: str | None) -> None:
     """Random worker kills and freezes, Redis restarts and killed connections while a trainer
     submits and publishes (or, with --weights, weight faults); exits non-zero if any group was
     lost or delivered twice (--weights: or any token was labelled with the wrong version;
@@ -378,8 +381,10 @@ def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, se
         from rollq.chaos_episodes import EpisodeChaosSettings, chaos_episodes
         from rollq.chaos_episodes import render as render_episodes
 
-        summary = asyncio.run(chaos_episodes(EpisodeChaosSettings(minutes=minutes, workers=workers,
-                                                                  seed=seed)))
+        if workdir is not None:
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+        summary = asyncio.run(chaos_episodes(EpisodeChaosSettings(
+            minutes=minutes, workers=workers, seed=seed, workdir=Path(workdir) if workdir else None)))
         render_episodes(summary)
     elif weights:
         from rollq.chaos_weights import WeightChaosSettings, chaos_weights
