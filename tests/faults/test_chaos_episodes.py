@@ -26,8 +26,9 @@ def test_short_episode_chaos_run_loses_doubles_and_strands_no_turn(tmp_path):
 
 
 def _warnings(workdir: Path) -> str:
-    """The gateways' and workers' warnings and errors: a failing CI run's only trace of why."""
-    lines = [f"{log.name}: {line.strip()[:300]}" for log in sorted(workdir.glob("*.log"))
+    """The gateways' and trainers' warnings and errors: a failing CI run's only trace of why."""
+    logs = sorted(workdir.glob("trainer*.log")) + sorted(workdir.glob("gateway-*.log"))
+    lines = [f"{log.name}: {line.strip()[:300]}" for log in logs
              for line in log.read_text(errors="replace").splitlines()
              if "WARNING" in line or "ERROR" in line]
     return "\n" + "\n".join(lines[-60:])
