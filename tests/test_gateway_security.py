@@ -246,3 +246,23 @@ async def test_sampling_extra_takes_only_allowed_keys(make_gateway, policy, extr
         fine = {"max_tokens": 8, "extra": {"ignore_eos": True, "min_tokens": 8, "skip_special_tokens": False}}
         async with http.post(jobs, json={"prompts": [[1]], "sampling": fine}) as r:
             assert r.status == 201, await r.text()
+
+
+async def test_a_request_while_redis_is_unreachable_is_a_503_without_a_traceback(make_gateway, policy,
+                                                                               tmp_path, caplog):
+    """Redis down (restarting, a network fault) is neither the caller's fault nor the gateway's: a
+    503 with Retry-After, which clients retry, and one warning line, not a 500 with a traceback."""
+    from rollq.faults import RedisProcess
+
+    redis = RedisProcess(tmp_path / "redis", aof=False).start()
+    try:
+        gw = await make_gateway(redis_url=redis.url, policies=[policy])
+    finally:
+        redis.kill()  # (the gateway checks Redis at start-up)
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
+        for path in (f"/v1/policies/{policy}/episodes/e1.0", f"/v1/policies/{policy}/status"):
+            async with http.get(path) as r:
+                body = await r.json()
+                assert r.status == 503 and r.headers["Retry-After"] == "1", (path, r.status, body)
+                assert "Redis is unreachable" in body["error"]["message"]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"

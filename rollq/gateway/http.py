@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.gateway.schema import Error, ErrorBody
 from rollq.protocol import InvalidInput, QueueFull
@@ -170,6 +172,12 @@ async def errors(request: web.Request, handler):
         if e.status < 400:
             raise
         return error_response(e.status, e.text or e.reason)
+    except (RedisConnectionError, RedisTimeoutError) as e:
+        # Not the gateway's fault nor the caller's: say so, and that a retry may succeed (the
+        # openai SDK and most HTTP clients retry a 503), without a traceback per request.
+        log.warning("%s %s: Redis unreachable (%s)", request.method, request.path, e)
+        return error_response(503, "Redis is unreachable (restarting, or a network fault); retry "
+                                   "shortly", headers={"Retry-After": "1"})
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         return error_response(500, "internal error; the gateway log has the details")
