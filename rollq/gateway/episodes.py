@@ -142,23 +142,29 @@ REOPEN_MAX_S = 5.0
 """Longest wait between two tries to open an Episodes (or to take over) while Redis is unreachable."""
 
 
+async def _until_done(call, what: str, stopped=lambda: False) -> None:
+    """`call()` until it returns, tried again while Redis is unreachable (backoff to
+    `REOPEN_MAX_S`) and until `stopped()`; any other error is logged and ends it."""
+    delay = 0.25
+    while not stopped():
+        try:
+            await call()
+            return
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            log.warning("%s: Redis unreachable (%s); trying again", what, e)
+        except Exception as e:  # noqa: BLE001 (requests see it again: each call opens first)
+            log.warning("%s: %s", what, e)
+            return
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, REOPEN_MAX_S)
+
+
 async def _opened(episodes: Episodes) -> None:
     """Open it (hold the owner, start the result router, free the turns never queued), trying
     again while Redis is unreachable: a take-over must not depend on a later request (a GET does
     not open an Episodes, and a trainer whose turn went unanswered may only GET)."""
-    delay = 0.25
-    while not episodes.closing:
-        try:
-            await episodes.open()
-            return
-        except (RedisConnectionError, RedisTimeoutError) as e:
-            log.warning("episodes of %s on %s: Redis unreachable (%s); trying again", episodes.trainer,
-                        episodes.keys.policy, e)
-        except Exception as e:  # noqa: BLE001 (its requests see it again: each call opens first)
-            log.warning("episodes of %s on %s: %s", episodes.trainer, episodes.keys.policy, e)
-            return
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, REOPEN_MAX_S)
+    await _until_done(episodes.open, f"episodes of {episodes.trainer} on {episodes.keys.policy}",
+                      lambda: episodes.closing)
 
 
 TAKE_OVER_WINDOW_S = 86_400
@@ -239,24 +245,12 @@ async def end_episode(request: web.Request) -> web.Response:
     return reply(request, episode_view(await _guarded(episode_id, episodes.end(episode_id))))
 
 
-async def _take_over_until_done(app: web.Application) -> None:
-    """`_take_over`, tried again while Redis is unreachable (a gateway restarted into an outage)."""
-    delay = 0.25
-    while True:
-        try:
-            await _take_over(app)
-            return
-        except (RedisConnectionError, RedisTimeoutError) as e:
-            log.warning("episodes: could not take this gateway's episodes over yet (%s); trying again", e)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, REOPEN_MAX_S)
-
-
 async def lifetime(app: web.Application):
     """cleanup_ctx: take this gateway id's episodes over at start-up (in the background, until it
     succeeds); close every Episodes (their result routers and owner leases) when the app stops."""
-    taking_over = asyncio.get_running_loop().create_task(_take_over_until_done(app),
-                                                         name="episodes-take-over")
+    taking_over = asyncio.get_running_loop().create_task(
+        _until_done(lambda: _take_over(app), "episodes: taking this gateway's episodes over"),
+        name="episodes-take-over")
     yield
     taking_over.cancel()
     for episodes in app[EPISODES].values():
