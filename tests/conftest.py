@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -38,23 +40,43 @@ def pytest_runtest_logreport(report):
 
 def pytest_unconfigure(config):
     """The drift shows at the very end of every log: pytest's `--durations` table comes before
-    the failures and the summary line, where nobody scrolls to it."""
+    the failures and the summary line, where nobody scrolls to it. `make test` runs in two parts
+    (the parallel one, then the tests that must run alone) and names one ROLLQ_TEST_DURATIONS
+    file for both: the second part's table is the whole run's."""
     tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is None or not _durations:
+    if tr is None or not _durations or hasattr(config, "workerinput"):  # xdist: the controller prints
         return
-    tr.write_sep("=", f"{min(SLOWEST, len(_durations))} slowest tests (setup + call + teardown)")
-    for nodeid, seconds in sorted(_durations.items(), key=lambda kv: -kv[1])[:SLOWEST]:
+    durations, began = dict(_durations), time.time() - (time.monotonic() - _session_began)
+    if path := os.environ.get("ROLLQ_TEST_DURATIONS"):
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            earlier = json.loads(Path(path).read_text())
+            durations, began = earlier["durations"] | durations, min(began, earlier["began"])
+        Path(path).write_text(json.dumps({"durations": durations, "began": began}))
+    tr.write_sep("=", f"{min(SLOWEST, len(durations))} slowest tests (setup + call + teardown)")
+    for nodeid, seconds in sorted(durations.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         tr.write_line(f"{seconds:8.1f} s  {nodeid}")
     modules: dict[str, float] = {}
-    for nodeid, seconds in _durations.items():
+    for nodeid, seconds in durations.items():
         module = nodeid.split("::")[0]
         modules[module] = modules.get(module, 0.0) + seconds
     tr.write_sep("=", f"{min(SLOWEST_MODULES, len(modules))} slowest modules (their tests' sum)")
     for module, seconds in sorted(modules.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]:
         tr.write_line(f"{seconds:8.1f} s  {module}")
-    tr.write_line(f"total: {len(_durations)} tests, {sum(_durations.values()):.1f} s in tests, "
-                  f"{time.monotonic() - _session_began:.1f} s in all")
+    tr.write_line(f"total: {len(durations)} tests, {sum(durations.values()):.1f} s in tests, "
+                  f"{time.time() - began:.1f} s in all")
 
+
+if os.environ.get("ROLLQ_TEST_ENGINE_ENV", "1") != "0":
+    # The tests' vLLM engines (in-process, in the worker processes they spawn, vLLM's reference
+    # server), set here so that every child inherits them:
+    # - vLLM's CPU build pins each engine's compute thread to core 0 and keeps core 1 for the
+    #   front-ends ("auto" binding): a test with three engines ran them all on one core while the
+    #   other idled. Unpinned and one thread each, the OS spreads them over both cores.
+    # - torch.compile of the sampler's small kernels (a C++ build per engine start, ~6 s warm and
+    #   far more on a cold cache) is an optimisation, not a behaviour: eager runs the same ops.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 LONG = os.environ.get("ROLLQ_LONG_TESTS", "") not in ("", "0")
 """`ROLLQ_LONG_TESTS=1 pytest ...`: the long variants at full length (10,000 hostile payloads);

@@ -195,6 +195,7 @@ async def test_start_compiles_the_sampler_kernel_before_serving(tiny_model, tmp_
 
     cache = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # cold: nothing compiled yet
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)  # the other tests skip the build
     engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate())
     try:
         built = list(cache.rglob("*.so"))

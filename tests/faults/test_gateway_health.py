@@ -17,12 +17,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import aiohttp
 from conftest import reserved_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import stop_process  # noqa: E402
 from bench.gateway_soak import percentile, start_gateway  # noqa: E402
+
+pytestmark = pytest.mark.alone  # wall-clock bounds: run after the parallel part, alone on the machine
 
 HEADER_CAP = 16 * 1024 * 1024
 

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import aiohttp
 from conftest import reserved_port
 from gateway_fixtures import write_tokens
@@ -23,6 +24,8 @@ from gateway_fixtures import write_tokens
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import stop_process  # noqa: E402
 from bench.gateway_soak import percentile, start_gateway, start_worker  # noqa: E402
+
+pytestmark = pytest.mark.alone  # wall-clock bounds: run after the parallel part, alone on the machine
 
 RSS_BOUND_MB = 400
 """Growth of the gateway's resident memory over the whole run (helpers not counted: they are
