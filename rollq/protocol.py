@@ -334,6 +334,9 @@ class Sample(msgspec.Struct, **_WIRE):
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] = []
     """OpenAI tool calls: {"id", "type": "function", "function": {"name", "arguments"}}."""
+    reasoning_tokens: int | None = None
+    """A parsed sample's tokens inside thinking markers, counted by the worker's reasoning parser
+    (vLLM's `usage.completion_tokens_details.reasoning_tokens`); None without one."""
 
     @property
     def token_ids(self) -> list[int]:

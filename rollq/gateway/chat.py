@@ -226,9 +226,11 @@ def response(req: ChatCompletionRequest, job_id: str, r: GroupResult,
             token_ids=sample.token_ids if req.return_token_ids else None, routed_experts=None,
             policy_versions=[list(v) for v in sample.versions]))
     completion_tokens = sum(len(s.tokens) // 4 for s in r.samples)
+    # vLLM's server counts reasoning tokens when it has a reasoning parser; so do the workers.
+    counted = [s.reasoning_tokens for s in r.samples if s.reasoning_tokens is not None]
     usage = dict(prompt_tokens=len(prompt_ids), total_tokens=len(prompt_ids) + completion_tokens,
                  completion_tokens=completion_tokens, prompt_tokens_details=None,
-                 completion_tokens_details=None)
+                 completion_tokens_details=dict(reasoning_tokens=sum(counted)) if counted else None)
     return dict(id=job_id, object="chat.completion", created=int(time.time()), model=req.model,
                 choices=choices, service_tier=None, system_fingerprint=f"rollq-{__version__}", usage=usage,
                 prompt_logprobs=None, prompt_token_ids=prompt_ids if req.return_token_ids else None,
