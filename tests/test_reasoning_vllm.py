@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from models import make_reasoning_model
+from streams import join, sse
 from test_chat_vllm import VLLMServer, assert_same
 
 PARSER = "deepseek_r1"
@@ -75,6 +76,17 @@ async def test_reasoning_equals_vllms_own_server(make_gateway, make_worker, reas
             except AssertionError as e:
                 raise AssertionError(f"case {name}: {e}\nvLLM: {theirs}\nrollq: {ours}"[:6000]) from None
             seen[name] = ours
+        # Streamed: the joined deltas per choice and the closing usage chunk equal vLLM's.
+        streamed = []
+        for url, model, headers in ((theirs_url, "tiny", None), (gw.url, policy, gw.headers())):
+            body = BASE | CASES["seeded-n2-logprobs"] | dict(model=model, stream=True,
+                                                          stream_options={"include_usage": True})
+            chunks = await sse(http, f"{url}/v1/chat/completions", body, headers)
+            assert chunks[-1] == "[DONE]", chunks
+            streamed.append((join(chunks[:-1]), chunks[-2]["usage"]))
+        assert_same(list(streamed[1]), list(streamed[0]))
+        whole = seen["seeded-n2-logprobs"]["usage"]["completion_tokens_details"]
+        assert streamed[1][1]["completion_tokens_details"] == whole and whole["reasoning_tokens"] > 0
     # What the cases compared, not merely equal on both sides:
     message = seen["thinks-then-answers"]["choices"][0]["message"]
     assert (message["reasoning"], message["content"]) == ("Two and two make four.", "The answer is 4.")
