@@ -76,17 +76,23 @@ async def test_reasoning_equals_vllms_own_server(make_gateway, make_worker, reas
             except AssertionError as e:
                 raise AssertionError(f"case {name}: {e}\nvLLM: {theirs}\nrollq: {ours}"[:6000]) from None
             seen[name] = ours
-        # Streamed: the joined deltas per choice and the closing usage chunk equal vLLM's.
-        streamed = []
+        # Streamed: each choice's joined deltas are the unstreamed answer, and the closing usage
+        # chunk (reasoning_tokens included) is vLLM's. (vLLM's own streamed reasoning depends on
+        # how its engine batches tokens into deltas: one holding <think> and the next token keeps
+        # the marker in `reasoning`. So the stream is compared with the whole answer.)
+        usages = []
         for url, model, headers in ((theirs_url, "tiny", None), (gw.url, policy, gw.headers())):
             body = BASE | CASES["seeded-n2-logprobs"] | dict(model=model, stream=True,
                                                           stream_options={"include_usage": True})
             chunks = await sse(http, f"{url}/v1/chat/completions", body, headers)
-            assert chunks[-1] == "[DONE]", chunks
-            streamed.append((join(chunks[:-1]), chunks[-2]["usage"]))
-        assert_same(list(streamed[1]), list(streamed[0]))
-        whole = seen["seeded-n2-logprobs"]["usage"]["completion_tokens_details"]
-        assert streamed[1][1]["completion_tokens_details"] == whole and whole["reasoning_tokens"] > 0
+            assert chunks[-1] == "[DONE]" and not chunks[-2]["choices"], chunks
+            usages.append(chunks[-2]["usage"])
+        assert_same(usages[1], usages[0])
+        whole = seen["seeded-n2-logprobs"]["choices"]
+        for i, joined in join(chunks[:-1]).items():
+            assert (joined["reasoning"], joined["content"], joined["token_ids"]) == (
+                whole[i]["message"]["reasoning"], whole[i]["message"]["content"], whole[i]["token_ids"])
+        assert usages[1]["completion_tokens_details"]["reasoning_tokens"] > 0
     # What the cases compared, not merely equal on both sides:
     message = seen["thinks-then-answers"]["choices"][0]["message"]
     assert (message["reasoning"], message["content"]) == ("Two and two make four.", "The answer is 4.")
