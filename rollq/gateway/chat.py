@@ -32,7 +32,7 @@ from rollq.gateway.streaming import chat_chunks, respond
 from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling, unpack_tokens
 
 
-_GREEDY = 1e-5
+GREEDY_EPS = 1e-5
 """vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling."""
 
 
@@ -68,7 +68,7 @@ def sampling_of(req: ChatCompletionRequest) -> Sampling:
             raise InvalidInput(name, "is not supported by rollq's chat completions")
     if req.top_logprobs and not req.logprobs:
         raise InvalidInput("top_logprobs", "needs logprobs=true")
-    if req.n > 1 and req.temperature is not None and req.temperature < _GREEDY:
+    if req.n > 1 and req.temperature is not None and req.temperature < GREEDY_EPS:
         raise InvalidInput("n", f"n must be 1 when using greedy sampling, got {req.n}.")  # vLLM's words
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return Sampling(**shared_sampling(req, max_tokens), logprobs=req.top_logprobs or 0, return_text=True,

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from rollq.gateway import completions as oai
 from rollq.gateway.api import heavy_turn, run_job
+from rollq.gateway.chat import GREEDY_EPS
 from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body
 from rollq.gateway.state import GATEWAY
 from rollq.gateway.structured import logit_bias_of, structured_outputs_of
@@ -30,10 +31,6 @@ from rollq.protocol import (MAX_N, MAX_PROMPT_TOKENS, GroupResult, InvalidInput,
                             VersionWindow, unpack_tokens, validate_sampling)
 from rollq.queue.keys import Keys
 from rollq.queue.workers import live_workers, max_model_len
-
-GREEDY_EPS = 1e-5
-"""vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling."""
-
 
 class GenerateSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The fields of vLLM's `SamplingParams` rollq's workers take, with vLLM's defaults. Others
