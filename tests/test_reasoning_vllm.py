@@ -3,7 +3,9 @@ vLLM's own server started with the same flag on the same tiny model: the whole c
 (ids and timestamps aside), `message.reasoning` and `usage.completion_tokens_details` included.
 
 The model is scripted (tests/models.py `make_reasoning_model`): after a user turn it thinks in
-<think> ... </think> and then answers, so deepseek_r1's parser has something to split.
+<think> ... </think> and then answers, so deepseek_r1's parser has something to split. The
+server also serves vLLM's generate route (`--enable-scale-out`): its text mode needs a model with
+a tokenizer, which this one has, so it is compared here (token mode: tests/test_generate_vllm.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def reasoning_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vllm_server(reasoning_model, tmp_path_factory):
     server = VLLMServer(reasoning_model, tmp_path_factory.mktemp("vllm-reasoning") / "server.log",
-                        "--reasoning-parser", PARSER)
+                        "--reasoning-parser", PARSER, "--enable-scale-out")
     yield server
     server.close()
 
@@ -99,3 +101,42 @@ async def test_reasoning_equals_vllms_own_server(make_gateway, make_worker, reas
     assert seen["thinks-then-answers"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
     cut = seen["cut-while-thinking"]["choices"][0]["message"]
     assert cut["reasoning"] == "Two and two make" and cut["content"] is None
+
+
+GENERATE_CASES = {
+    "greedy": dict(sampling_params=dict(max_tokens=10, temperature=0)),
+    "logprobs-0": dict(sampling_params=dict(max_tokens=4, temperature=0, logprobs=0), return_token_ids=True),
+    "seeded-n2-logprobs-2": dict(sampling_params=dict(max_tokens=6, n=2, seed=5, logprobs=2)),
+    "stop-string": dict(sampling_params=dict(max_tokens=10, temperature=0, stop=[" four"])),
+}
+
+
+async def test_generate_text_mode_equals_vllms_own_server(make_gateway, make_worker, reasoning_engine,
+                                                          vllm_server, policy):
+    """`output_mode: "text"`: vLLM's text and its content-format logprobs (token strings, bytes,
+    max(N, 1) top entries), decoded on the worker."""
+    make_worker(engine=reasoning_engine, max_inflight=8, max_inflight_seqs=32)
+    gw = await make_gateway()
+    theirs_url = await vllm_server.ready()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{theirs_url}/tokenize", json=dict(model="tiny", messages=[USER])) as r:
+            prompt = (await r.json())["tokens"]
+        for name, case in GENERATE_CASES.items():
+            body = dict(token_ids=prompt, output_mode="text") | case
+            async with http.post(f"{theirs_url}/inference/v1/generate", json=body | {"model": "tiny"}) as r:
+                assert r.status == 200, (name, await r.text())
+                theirs = await r.json()
+            async with http.post(f"{gw.url}/inference/v1/generate", json=body | {"model": policy},
+                                 headers=gw.headers()) as r:
+                assert r.status == 200, (name, await r.text())
+                ours = await r.json()
+            assert ours.pop("request_id") != theirs.pop("request_id")
+            for choice in theirs["choices"]:  # the engine's label; rollq names the policy version
+                choice["weight_versions"] = [dict(span, version="0") for span in choice["weight_versions"]]
+            try:
+                assert_same(ours, theirs)
+            except AssertionError as e:
+                raise AssertionError(f"case {name}: {e}\nvLLM: {theirs}\nrollq: {ours}"[:6000]) from None
+            if name == "greedy":  # what the case compared: vLLM's decoding, the thinking included
+                assert ours["output_mode"] == "text"
+                assert ours["choices"][0]["text"].startswith("<think>Two and")

@@ -220,7 +220,7 @@ def response(req: ChatCompletionRequest, job_id: str, r: GroupResult,
         choices.append(dict(
             index=index,
             message=_message(sample),
-            logprobs=_logprobs(sample, req.top_logprobs or 0, req.return_tokens_as_token_ids)
+            logprobs=content_logprobs(sample, req.top_logprobs or 0, req.return_tokens_as_token_ids)
             if req.logprobs else None,
             finish_reason=_finish_reason(sample, tool_choice), stop_reason=sample.stop_reason,
             token_ids=sample.token_ids if req.return_token_ids else None, routed_experts=None,
@@ -237,7 +237,7 @@ def response(req: ChatCompletionRequest, job_id: str, r: GroupResult,
                 prompt_text=None, kv_transfer_params=None, ec_transfer_params=None, metrics=None)
 
 
-def _logprobs(sample: Sample, top_n: int, as_ids: bool) -> dict:
+def content_logprobs(sample: Sample, top_n: int, as_ids: bool) -> dict:
     """vLLM's chat `logprobs.content`: per token its string, logprob, UTF-8 bytes, and the first
     `top_n` entries of vLLM's per-position dict, which holds the sampled token first, then the
     others by rank (so a sampled token outside the top N displaces the N-th)."""

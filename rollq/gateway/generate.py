@@ -7,7 +7,8 @@ vLLM 0.32 serves it with `--enable-scale-out` (vllm/entrypoints/scale_out/token_
 choice; `weight_versions` are rollq's version segments as vLLM's spans (version names are the
 policy versions). What vLLM's route accepts is accepted with its meaning, or refused with a 400
 naming the field and saying why: vLLM's `SamplingParams` fields that rollq's workers do not
-take, multimodal inputs, disaggregated-serving fields, `stream`, `output_mode: "text"`.
+take, multimodal inputs, disaggregated-serving fields, `stream`. `output_mode: "text"` asks the
+worker for vLLM's text (its model needs a tokenizer) and answers `GenerateTextResponse`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from aiohttp import web
 
 from rollq.gateway import completions as oai
 from rollq.gateway.api import heavy_turn, run_job
-from rollq.gateway.chat import GREEDY_EPS
+from rollq.gateway.chat import GREEDY_EPS, content_logprobs
 from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body
 from rollq.gateway.state import GATEWAY
 from rollq.gateway.structured import logit_bias_of, structured_outputs_of
@@ -99,8 +100,6 @@ class GenerateRequest(VersionWindow, kw_only=True, forbid_unknown_fields=True):
 REFUSED = {
     "stream": "rollq returns a group whole once it is done: use /v1/completions with stream=true "
               "for Server-Sent Events",
-    "output_mode": "rollq's generate route answers token ids (output_mode 'tokens'); "
-                   "/v1/completions answers text",
     "priority": "rollq's workers schedule by trainer, not by request priority; leave it 0",
     "cache_salt": "rollq's workers do not salt their prefix cache per request",
     "reasoning_ended": "structured outputs gated on reasoning are not built in rollq",
@@ -111,7 +110,7 @@ REFUSED = {
     "ec_transfer_params": "disaggregated serving is not built in rollq",
 }
 """Fields vLLM's route takes that rollq cannot honour, and why (each refused unless at its default)."""
-_DEFAULTS = {"stream": (False, None), "output_mode": ("tokens",), "priority": (0,)}
+_DEFAULTS = {"stream": (False, None), "priority": (0,)}
 
 
 def refuse_unsupported(req: GenerateRequest) -> None:
@@ -129,6 +128,11 @@ def sampling_of(req: GenerateRequest, max_tokens: int) -> Sampling:
         raise InvalidInput("sampling_params.n", f"n must be 1 when using greedy sampling, got {sp.n}.")
     if sp.stop and not sp.detokenize:
         raise InvalidInput("sampling_params.stop", "stop strings are matched on text: they need detokenize")
+    text = req.output_mode == "text"
+    if text and not sp.detokenize:  # vLLM's words
+        raise InvalidInput("output_mode", "output_mode='text' requires sampling_params.detokenize to be true")
+    # Text mode shows max(N, 1) top entries per position (the sampled token's own with N = 0).
+    top_n = 1 if text and sp.logprobs == 0 else sp.logprobs or 0
     extra: dict[str, Any] = {k: v for k, v in dict(
         ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens, skip_special_tokens=sp.skip_special_tokens,
         spaces_between_special_tokens=sp.spaces_between_special_tokens,
@@ -139,9 +143,11 @@ def sampling_of(req: GenerateRequest, max_tokens: int) -> Sampling:
                  frequency_penalty=sp.frequency_penalty, seed=sp.seed,
                  stop_token_ids=list(sp.stop_token_ids or []),
                  stop=[sp.stop] if isinstance(sp.stop, str) else list(sp.stop or []),
-                 logprobs=sp.logprobs or 0, prompt_logprobs=sp.prompt_logprobs, extra=extra,
-                 # The worker decodes only where vLLM's answer shows text: prompt tokens' names.
-                 text_if_tokenizer=sp.detokenize and sp.prompt_logprobs is not None,
+                 logprobs=top_n, prompt_logprobs=sp.prompt_logprobs, extra=extra,
+                 # Text mode needs the worker's tokenizer (a worker without one fails the group,
+                 # as vLLM's server without one refuses the request); token mode shows text only
+                 # as the names of prompt_logprobs' tokens.
+                 return_text=text, text_if_tokenizer=sp.detokenize and sp.prompt_logprobs is not None,
                  structured_outputs=structured_outputs_of(sp.structured_outputs, None),
                  logit_bias=logit_bias_of(sp.logit_bias), token_ranks=sp.logprobs is not None)
     if req.swap_modes is not None:
@@ -189,11 +195,11 @@ async def generate(request: web.Request) -> web.Response:
 
 def response(req: GenerateRequest, request_id: str, policy: str, result: GroupResult,
              words: oai.TokenText) -> dict:
-    """vLLM's `GenerateTokensResponse`, key for key."""
+    """vLLM's `GenerateTokensResponse` (or `GenerateTextResponse`), key for key."""
     if result.status != "ok":
         status = 504 if result.status == "expired" else 400 if result.status == "failed" else 409
         raise ApiError(status, f"{result.status}: {result.reason}")
-    sp = req.sampling_params
+    sp, text = req.sampling_params, req.output_mode == "text"
     choices, completion_tokens = [], 0
     for j, sample in enumerate(result.samples):
         ids = sample.token_ids
@@ -202,8 +208,12 @@ def response(req: GenerateRequest, request_id: str, policy: str, result: GroupRe
                             stop_reason=sample.stop_reason, token_ids=ids,
                             routed_experts=None, sampling_mask=None,
                             weight_versions=_spans(sample, len(ids)),
-                            logprobs=None if sp.logprobs is None else _logprobs(sample, sp.logprobs),
+                            logprobs=None if sp.logprobs is None
+                            else content_logprobs(sample, max(sp.logprobs, 1), False) if text
+                            else _logprobs(sample, sp.logprobs),
                             policy_versions=[list(v) for v in sample.versions]))
+        if text:
+            choices[-1]["text"] = sample.text
     prompt_ids = result.prompt_ids
     usage = dict(prompt_tokens=len(prompt_ids), total_tokens=len(prompt_ids) + completion_tokens,
                  completion_tokens=completion_tokens, prompt_tokens_details=None,
@@ -212,7 +222,7 @@ def response(req: GenerateRequest, request_id: str, policy: str, result: GroupRe
     return dict(request_id=request_id, model=policy, created=int(time.time()), usage=usage,
                 prompt_logprobs=prompt_logprobs, prompt_token_id_logprobs=None,
                 prompt_token_ids=prompt_ids if req.return_token_ids else None, mm_placeholders=None,
-                metrics=None, kv_transfer_params=None, ec_transfer_params=None, output_mode="tokens",
+                metrics=None, kv_transfer_params=None, ec_transfer_params=None, output_mode=req.output_mode,
                 choices=choices)
 
 
