@@ -199,6 +199,9 @@ class Sampling(msgspec.Struct, **_WIRE):
     logit_bias: dict[int, float] | None = None
     """Added to the logits of these token ids before sampling (vLLM's `SamplingParams.logit_bias`;
     the engine clamps each to [-100, 100])."""
+    token_ranks: bool = False
+    """Return each sampled token's rank among all (`Sample.token_ranks`), as vLLM's generate
+    route shows it: 4 bytes a token more in the result."""
 
 
 class StructuredOutputs(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -322,7 +325,8 @@ class Sample(msgspec.Struct, **_WIRE):
     top_texts: list[str] = []
     """...and of each top-N entry, parallel to `top_ids`."""
     token_ranks: bytes = b""
-    """int32 rank of each token among all (1 is the best); filled for prompt scores only."""
+    """int32 rank of each token among all (1 is the best; 0 unknown): filled for prompt scores,
+    and for samples when `Sampling.token_ranks` asks (vLLM's engine ranks every sampled token)."""
     parsed: bool = False
     """A chat sample the worker's vLLM parsers read (--tool-call-parser / --reasoning-parser):
     then `content`, `reasoning` and `tool_calls` are vLLM's message fields, `text` stays raw."""
@@ -330,6 +334,9 @@ class Sample(msgspec.Struct, **_WIRE):
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] = []
     """OpenAI tool calls: {"id", "type": "function", "function": {"name", "arguments"}}."""
+    reasoning_tokens: int | None = None
+    """A parsed sample's tokens inside thinking markers, counted by the worker's reasoning parser
+    (vLLM's `usage.completion_tokens_details.reasoning_tokens`); None without one."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -132,13 +132,46 @@ TOOL_TEMPLATE = (
 
 
 def make_tool_model(path: Path) -> Path:
-    """A Llama whose argmax chain spells `SCRIPTS`, with a byte-level BPE tokenizer trained here.
+    """A Llama whose argmax chain spells `SCRIPTS`, with a byte-level BPE tokenizer trained here
+    (`make_scripted_model`)."""
+    corpus = [" ".join(piece for pieces in SCRIPTS.values() for piece in pieces),
+              '{"type": "object", "properties": {"city": {"type": "string"}}} The weather in a city.']
+    return make_scripted_model(path, SCRIPTS, TOOL_SPECIALS, TOOL_TEMPLATE, corpus, 360)
+
+
+# A thinking model: deepseek_r1's and qwen3's <think> ... </think>, as added (non-special) tokens.
+REASONING_SCRIPTS = {
+    "<|assistant|>": ["<think>", "Two and", " two make", " four.", "</think>", "The answer", " is 4."],
+    # no thinking markers at all (a token has one successor: no script shares a piece)
+    "<|rambling|>": ["Hmm", " and", " hmm"],
+}
+REASONING_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", *REASONING_SCRIPTS]
+REASONING_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{%- if ramble %}<|rambling|>{% else %}<|assistant|>{% endif %}"
+    "{%- endif %}"
+)
+
+
+def make_reasoning_model(path: Path) -> Path:
+    """A scripted model that thinks, then answers, after a user turn (`REASONING_SCRIPTS`); with
+    the template kwarg `ramble` it says words without thinking markers."""
+    corpus = [" ".join(piece for pieces in REASONING_SCRIPTS.values() for piece in pieces)]
+    return make_scripted_model(path, REASONING_SCRIPTS, REASONING_SPECIALS, REASONING_TEMPLATE, corpus, 300)
+
+
+def make_scripted_model(path: Path, scripts: dict[str, list[str]], specials: list[str], template: str,
+                        corpus: list[str], bpe_vocab: int) -> Path:
+    """A Llama whose argmax chain spells `scripts`, with a byte-level BPE tokenizer trained here.
 
     Attention and MLP outputs are zero, so each position's logits depend on its own token only:
     embeddings are one-hot, and lm_head maps each script token to its successor (logit sqrt(H))
     and every token to EOS by default (logit sqrt(H)/2). The generation prompt ends with
     <|assistant|>, or <|after_tool|> after tool results, so a tool loop calls, then answers; a
-    prompt ending with <|broken|> or <|pythonic|> (continue_final_message) runs those scripts.
+    prompt ending with <|broken|> or <|pythonic|> (continue_final_message) runs those scripts
+    (for `SCRIPTS`; `REASONING_SCRIPTS` likewise).
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -146,15 +179,13 @@ def make_tool_model(path: Path) -> Path:
     core = Tokenizer(models.BPE(unk_token=None))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    corpus = [" ".join(piece for pieces in SCRIPTS.values() for piece in pieces),
-              '{"type": "object", "properties": {"city": {"type": "string"}}} The weather in a city.']
     core.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=360, special_tokens=TOOL_SPECIALS, show_progress=False,
+        vocab_size=bpe_vocab, special_tokens=specials, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    pieces = [p for ps in SCRIPTS.values() for p in ps]
+    pieces = [p for ps in scripts.values() for p in ps]
     core.add_tokens([AddedToken(p, normalized=False, special=False) for p in pieces])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>", chat_template=TOOL_TEMPLATE)
+                                        unk_token="<unk>", chat_template=template)
     tokenizer.save_pretrained(path)
     vocab = len(tokenizer)
     hidden = -(-vocab // 64) * 64
@@ -171,7 +202,7 @@ def make_tool_model(path: Path) -> Path:
         model.model.embed_tokens.weight.copy_(torch.eye(vocab, hidden))
         head = torch.zeros(vocab, hidden)
         head[eos, :vocab] = 0.5
-        for start, chain in SCRIPTS.items():
+        for start, chain in scripts.items():
             ids = tokenizer.convert_tokens_to_ids([start, *chain])
             for a, b in zip(ids, ids[1:]):
                 head[b, a] = 1.0

@@ -128,8 +128,10 @@ class ChatRenderer:
                                 model_config=self._llm.model_config)
             parser.set_prompt_token_ids(prompt_ids)
             content, reasoning, calls = _message(parser, request, sample, self.auto_tools)
+            counted = parser.count_reasoning_tokens(sample.token_ids) if self._parsers["reasoning_parser"] \
+                else None
             out.append(msgspec.structs.replace(sample, parsed=True, content=content, reasoning=reasoning,
-                                               tool_calls=calls))
+                                               tool_calls=calls, reasoning_tokens=counted))
         return out
 
 

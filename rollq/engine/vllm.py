@@ -46,6 +46,7 @@ class _SampleState:
         self.versions: list[tuple[int, int]] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.ranks: list[int] = []
         self.text = ""
         self.token_texts: list[str] = []
         self.top_texts: list[str] = []
@@ -64,6 +65,7 @@ class _SampleState:
         positions = completion.logprobs or []
         self.logprobs += [positions[i][t].logprob if i < len(positions) else math.nan
                           for i, t in enumerate(tokens)]
+        self.ranks += [(positions[i][t].rank or 0) if i < len(positions) else 0 for i, t in enumerate(tokens)]
         top = [_ranked(entries, token, top_n) for token, entries in zip(tokens, positions)] if top_n else []
         self.top += top
         self.text += completion.text or ""
@@ -75,7 +77,8 @@ class _SampleState:
         self.tokens += tokens
         self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
 
-    def to_sample(self, version: int) -> Sample:
+    def to_sample(self, version: int, ranks: bool = False) -> Sample:
+        """`ranks`: with each sampled token's rank (`Sampling.token_ranks`)."""
         counts, ids, values = bytearray(), array.array("i"), array.array("f")
         for entries in self.top:
             counts.append(len(entries))
@@ -85,7 +88,8 @@ class _SampleState:
                       finish_reason=self.finish_reason or "abort", stop_reason=self.stop_reason,
                       versions=self.versions or [(version, 0)], top_counts=bytes(counts),
                       top_ids=pack_tokens(ids), top_logprobs=pack_floats(values), text=self.text,
-                      token_texts=self.token_texts, top_texts=self.top_texts)
+                      token_texts=self.token_texts, top_texts=self.top_texts,
+                      token_ranks=pack_tokens(self.ranks) if ranks else b"")
 
 
 class _Span(msgspec.Struct):
@@ -337,7 +341,7 @@ class VLLMEngine:
             epoch = min(e for _, _, e in outputs)
             for i, (completion, v, _) in zip(cut, outputs):
                 states[i].extend(completion, v, item.sampling.logprobs)
-        samples = [st.to_sample(version) for st in states]
+        samples = [st.to_sample(version, item.sampling.token_ranks) for st in states]
         if chat_request is not None:  # Convert sampled text --> vLLM's tool calls and reasoning.
             samples = self._chat.parse(chat_request, prompt_ids, samples)
         return Generated(samples, pack_tokens(prompt_ids),

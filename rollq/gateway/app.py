@@ -19,6 +19,7 @@ from aiohttp import web
 
 from rollq.gateway import api, trl_compat
 from rollq.gateway import episodes as ep
+from rollq.gateway import generate as gen
 from rollq.gateway import tokenize as tk
 from rollq.conversations import Trajectory
 from rollq.gateway.chat import ChatCompletionRequest, chat_completions, get_conversation
@@ -118,6 +119,9 @@ ROUTES = [
     Route("POST", "/v1/chat/completions", chat_completions,
           "OpenAI/vLLM-compatible chat completions via the queue (rendered on the workers)", "openai",
           body=ChatCompletionRequest, errors=(400, 401, 403, 409, 413, 429, 504)),
+    Route("POST", "/inference/v1/generate", gen.generate,
+          "vLLM's token-in token-out generate (its --enable-scale-out route) via the queue", "openai",
+          body=gen.GenerateRequest, errors=(400, 401, 403, 409, 413, 429, 504)),
     Route("POST", "/tokenize", tk.tokenize,
           "vLLM's: a prompt or chat messages as token ids, with the gateway's --tokenizer", "openai",
           body=tk.TokenizeRequest, reply=tk.TokenizeResponse),

@@ -32,7 +32,7 @@ from rollq.gateway.streaming import chat_chunks, respond
 from rollq.protocol import GroupResult, InvalidInput, Sample, Sampling, unpack_tokens
 
 
-_GREEDY = 1e-5
+GREEDY_EPS = 1e-5
 """vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling."""
 
 
@@ -68,7 +68,7 @@ def sampling_of(req: ChatCompletionRequest) -> Sampling:
             raise InvalidInput(name, "is not supported by rollq's chat completions")
     if req.top_logprobs and not req.logprobs:
         raise InvalidInput("top_logprobs", "needs logprobs=true")
-    if req.n > 1 and req.temperature is not None and req.temperature < _GREEDY:
+    if req.n > 1 and req.temperature is not None and req.temperature < GREEDY_EPS:
         raise InvalidInput("n", f"n must be 1 when using greedy sampling, got {req.n}.")  # vLLM's words
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return Sampling(**shared_sampling(req, max_tokens), logprobs=req.top_logprobs or 0, return_text=True,
@@ -220,22 +220,24 @@ def response(req: ChatCompletionRequest, job_id: str, r: GroupResult,
         choices.append(dict(
             index=index,
             message=_message(sample),
-            logprobs=_logprobs(sample, req.top_logprobs or 0, req.return_tokens_as_token_ids)
+            logprobs=content_logprobs(sample, req.top_logprobs or 0, req.return_tokens_as_token_ids)
             if req.logprobs else None,
             finish_reason=_finish_reason(sample, tool_choice), stop_reason=sample.stop_reason,
             token_ids=sample.token_ids if req.return_token_ids else None, routed_experts=None,
             policy_versions=[list(v) for v in sample.versions]))
     completion_tokens = sum(len(s.tokens) // 4 for s in r.samples)
+    # vLLM's server counts reasoning tokens when it has a reasoning parser; so do the workers.
+    counted = [s.reasoning_tokens for s in r.samples if s.reasoning_tokens is not None]
     usage = dict(prompt_tokens=len(prompt_ids), total_tokens=len(prompt_ids) + completion_tokens,
                  completion_tokens=completion_tokens, prompt_tokens_details=None,
-                 completion_tokens_details=None)
+                 completion_tokens_details=dict(reasoning_tokens=sum(counted)) if counted else None)
     return dict(id=job_id, object="chat.completion", created=int(time.time()), model=req.model,
                 choices=choices, service_tier=None, system_fingerprint=f"rollq-{__version__}", usage=usage,
                 prompt_logprobs=None, prompt_token_ids=prompt_ids if req.return_token_ids else None,
                 prompt_text=None, kv_transfer_params=None, ec_transfer_params=None, metrics=None)
 
 
-def _logprobs(sample: Sample, top_n: int, as_ids: bool) -> dict:
+def content_logprobs(sample: Sample, top_n: int, as_ids: bool) -> dict:
     """vLLM's chat `logprobs.content`: per token its string, logprob, UTF-8 bytes, and the first
     `top_n` entries of vLLM's per-position dict, which holds the sampled token first, then the
     others by rank (so a sampled token outside the top N displaces the N-th)."""

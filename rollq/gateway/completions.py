@@ -258,7 +258,7 @@ def _logprobs(sample: Sample, words: TokenText, as_ids: bool, echoed: Sample | N
     return dict(tokens=tokens, token_logprobs=values, text_offset=offsets, top_logprobs=top)
 
 
-def _prompt_logprobs(scored: Sample | None, top_n: int, words: TokenText) -> list | None:
+def prompt_logprobs_of(scored: Sample | None, top_n: int, words: TokenText) -> list | None:
     """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank,
     decoded_token}} per position (the prompt token's own rank from the worker, when outside the
     top N; None from a worker that predates `token_ranks`)."""
@@ -293,7 +293,7 @@ def response(req: CompletionRequest, job_id: str, results: list[GroupResult], pr
             choice = dict(index=r.group_index * req.n + j, text=text,
                           logprobs=_logprobs(sample, words, req.return_tokens_as_token_ids, echoed)
                           if req.logprobs is not None else None,
-                          prompt_logprobs=_prompt_logprobs(r.prompt_scores, sampling_top(req), words),
+                          prompt_logprobs=prompt_logprobs_of(r.prompt_scores, sampling_top(req), words),
                           finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
                           prompt_token_ids=prompt_ids if req.return_token_ids else None,
                           token_ids=ids if req.return_token_ids else None, routed_experts=None,

@@ -49,7 +49,7 @@ def error_response(status: int, message: str, field: str | None = None,
 
 
 _PATH = re.compile(r"`\$\.?([^`]*)`")
-_UNKNOWN = re.compile(r"unknown field `([^`]*)`$")
+_UNKNOWN = re.compile(r"(?:unknown|missing required) field `([^`]*)`$")
 
 
 BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
@@ -132,7 +132,7 @@ def decode_body(request: web.Request, data: bytes, cls: type[T]) -> T:
         if kind in (JSON, "application/octet-stream", "") or kind.endswith("+json"):
             return msgspec.json.decode(data, type=cls)
     except msgspec.ValidationError as e:
-        found = _PATH.search(str(e)) or _UNKNOWN.search(str(e))  # an unknown top-level field has no path
+        found = _PATH.search(str(e)) or _UNKNOWN.search(str(e))  # a top-level field has no path
         raise ApiError(400, str(e), found.group(1) if found else None) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the body is not valid {'msgpack' if kind in _MSGPACK_TYPES else 'JSON'}: {e}") \
