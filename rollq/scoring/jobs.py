@@ -34,11 +34,12 @@ def score_specs(reward: str, reward_inputs: Sequence[Any] | None, on_error: str,
 
 
 def scored_items(items: list[tuple[bytes, float]], specs: list[ScoreSpec]) -> list[tuple[bytes, float]]:
-    """Each group's item with its reward; its samples carry their text (what rewards read)."""
+    """Each group's item with its reward; its samples carry their text (what rewards read) where
+    the worker's model has a tokenizer (one without gives rewards the token ids alone)."""
     out = []
     for (data, deadline), spec in zip(items, specs):
         item = decode_item(data)
-        sampling = msgspec.structs.replace(item.sampling, return_text=True)
+        sampling = msgspec.structs.replace(item.sampling, text_if_tokenizer=True)
         out.append((encode(msgspec.structs.replace(item, sampling=sampling, score=spec)), deadline))
     return out
 
