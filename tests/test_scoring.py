@@ -4,35 +4,19 @@ the instant engine in a real `rollq worker` process (scoring is what is tested h
 from __future__ import annotations
 
 import signal
-import uuid
 from collections import Counter
 
 import pytest
 from redis.exceptions import ResponseError
 import scoring_rewards
 from helpers import collect, wait_until
-from scoring_fixtures import ScorerProcess
+import scoring_fixtures
 
 from rollq.protocol import InvalidInput
 from rollq.scoring import Completion
 from rollq.scoring.records import live_scorers
 
-
-@pytest.fixture
-def spawn_scorer(request, redis_url, policy, tmp_path):
-    made: list[ScorerProcess] = []
-
-    def create(scorer_id: str | None = None, **flags) -> ScorerProcess:
-        p = ScorerProcess(redis_url, policy, tmp_path, scorer_id or f"s-{uuid.uuid4().hex[:6]}", **flags)
-        made.append(p)
-        return p
-
-    yield create
-    failed = getattr(request.node, "rep_call_failed", False)
-    for p in made:
-        if failed:
-            print(p.report())
-        p.close()
+spawn_scorer = scoring_fixtures.spawn_scorer
 
 
 async def _live(client, *ids):
