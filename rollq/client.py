@@ -229,6 +229,7 @@ class RolloutClient:
         reward: str | None = None,
         reward_inputs: Sequence[Any] | None = None,
         reward_errors: Literal["skip", "fail"] = "skip",
+        dynamic_sampling: int | None = None,
     ) -> str:
         """Queue one group of `n` samples per prompt; returns the job id at once.
 
@@ -250,7 +251,9 @@ class RolloutClient:
         (refused otherwise, with the names on offer), `reward_inputs[i]` is group i's data for
         it; each group reaches the trainer scored (`GroupResult.rewards`). `reward_errors`: a
         reward that raises or times out leaves that sample without a reward (`skip`) or fails
-        the group (`fail`).
+        the group (`fail`). `dynamic_sampling=k` (DAPO): a group whose rewards are all equal is
+        generated again, up to k times, then ends `filtered` (no samples); the job's status
+        counts `filtered` and `resampled`.
         """
         validate_n(n)
         job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
@@ -260,7 +263,7 @@ class RolloutClient:
         found: dict[str, bytes | None] = {}
         digests = self._group_images(images, len(groups), found)
         items = self._encode_items(job_id, groups, n, _sampling(sampling), deadline_s, window, digests)
-        items = await self._scored(items, reward, reward_inputs, reward_errors)
+        items = await self._scored(items, reward, reward_inputs, reward_errors, dynamic_sampling, n)
         meta_bytes = encode_meta(meta)
         await self._store_images(found, deadline_s)
         return await self._enqueue(job_id, items, meta_bytes, window, wait, timeout_s)
@@ -319,6 +322,7 @@ class RolloutClient:
         reward: str | None = None,
         reward_inputs: Sequence[Any] | None = None,
         reward_errors: Literal["skip", "fail"] = "skip",
+        dynamic_sampling: int | None = None,
     ) -> str:
         """Queue one group of `n` samples per conversation (a list of OpenAI chat messages).
 
@@ -376,17 +380,19 @@ class RolloutClient:
             except InvalidInput as e:
                 field = f"conversations[{i}]{e.field[4:]}" if e.field.startswith("chat") else e.field
                 raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
-        items = await self._scored(items, reward, reward_inputs, reward_errors)
+        items = await self._scored(items, reward, reward_inputs, reward_errors, dynamic_sampling, n)
         await self._store_images(found, deadline_s)
         return await self._enqueue(job_id, items, encode_meta(meta), window, wait, timeout_s)
 
     async def _scored(self, items: list[tuple[bytes, float]], reward: str | None,
-                      reward_inputs: Sequence[Any] | None, on_error: str) -> list[tuple[bytes, float]]:
+                      reward_inputs: Sequence[Any] | None, on_error: str, resample: int | None,
+                      n: int) -> list[tuple[bytes, float]]:
         if reward is None:
-            if reward_inputs is not None:
-                raise InvalidInput("reward_inputs", "given without a reward; name one (reward=...)")
+            for name, value in (("reward_inputs", reward_inputs), ("dynamic_sampling", resample)):
+                if value is not None:
+                    raise InvalidInput(name, "given without a reward; name one (reward=...)")
             return items
-        specs = scoring.score_specs(reward, reward_inputs, on_error, len(items))
+        specs = scoring.score_specs(reward, reward_inputs, on_error, len(items), resample, n)
         await self._retrying(scoring.check_offered, self.redis, self.keys, self.trainer_id, reward,
                              reading=False)
         return scoring.scored_items(items, specs)

@@ -76,7 +76,7 @@ MAX_GROUP_PIXELS = 2 * MAX_IMAGE_PIXELS
 ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
 """Matched with fullmatch: `$` would also match before a trailing newline."""
 
-Status = Literal["ok", "failed", "expired", "cancelled"]
+Status = Literal["ok", "failed", "expired", "cancelled", "filtered"]
 
 
 class InvalidInput(ValueError):
@@ -301,6 +301,11 @@ class ScoreSpec(msgspec.Struct, **_WIRE):
     on_error: Literal["skip", "fail"] = "skip"
     """A reward that raises or times out: `skip` leaves that sample without a reward (and says
     why in `reward_errors`), `fail` fails the group."""
+    resample: int | None = None
+    """Dynamic sampling (DAPO): a group whose rewards are all equal is generated again up to
+    this many times, then ends `filtered` (None: off)..."""
+    attempt: int = 0
+    """...and how many times this group was generated again so far."""
 
 
 class ItemHeader(msgspec.Struct, array_like=True):
@@ -454,24 +459,32 @@ class ScoreItem(msgspec.Struct, **_WIRE):
     spec: ScoreSpec
     result: msgspec.Raw
     """The encoded GroupResult, as the worker finished it."""
+    item: bytes = b""
+    """The encoded WorkItem, with dynamic sampling: what is queued again."""
 
 
 _score_item_decoder = msgspec.msgpack.Decoder(ScoreItem)
 
 
-def decode_score_item(data: bytes) -> tuple[ScoreSpec, GroupResult]:
-    """A scoring entry's spec and group, size first (InvalidInput for anything malformed)."""
+def decode_score_item(data: bytes) -> tuple[ScoreSpec, GroupResult, bytes]:
+    """A scoring entry's spec, group and work item (b"" unless dynamic sampling), size first
+    (InvalidInput for anything malformed)."""
     if len(data) > MAX_RESULT_BYTES:
         raise InvalidInput("score item", f"is {len(data)} bytes; the limit is {MAX_RESULT_BYTES}")
     try:
         item = _score_item_decoder.decode(data)
-        return item.spec, _result_decoder.decode(item.result)
+        return item.spec, _result_decoder.decode(item.result), item.item
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise InvalidInput("score item", f"does not decode: {e}") from None
 
 
+MAX_RESAMPLE = 16
+
+
 def validate_score(spec: ScoreSpec, field: str = "reward_inputs") -> None:
     check_id("reward", spec.reward)
+    if spec.resample is not None and not 0 <= spec.resample <= MAX_RESAMPLE:
+        raise InvalidInput("dynamic_sampling", f"{spec.resample} must be in [0, {MAX_RESAMPLE}]")
     try:
         size = len(encode(spec.inputs))
     except (TypeError, OverflowError, msgspec.EncodeError) as e:

@@ -47,3 +47,9 @@ def hog(completion: Completion, inputs) -> float:
         return float(len(bytearray(512 * 1024 * 1024)))
     return 1.0
 
+
+
+@reward("same_if", timeout_s=30)
+async def same_if(completion: Completion, inputs) -> float:
+    """All equal for a group whose inputs say "same" (dynamic sampling filters it), else not."""
+    return 1.0 if inputs == "same" else float(completion.index)

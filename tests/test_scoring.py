@@ -135,3 +135,34 @@ async def test_raising_hanging_and_memory_hungry_rewards_leave_the_scorer_alive(
         [state] = await live_scorers(client.redis, client.keys)
         return state.restarts >= 1 and state.reward_errors == 4 and state.scored == 5
     await wait_until(counted, what="the scorer's beat counting the errors and the restart")
+
+
+async def test_dynamic_sampling_delivers_only_mixed_groups_and_counts_the_rest(
+        make_client, spawn_worker, spawn_scorer):
+    client = make_client()
+    spawn_worker()
+    scorer = spawn_scorer()
+    await wait_until(lambda: _live(client, scorer.scorer_id), timeout_s=60, what="the scorer's beat")
+    with pytest.raises(InvalidInput, match="dynamic_sampling: needs n >= 2"):
+        await client.submit([[1]], n=1, reward="same_if", dynamic_sampling=1)
+    inputs = ["same"] * 4 + ["varied"] * 6
+    job = await client.submit([[i + 1] for i in range(10)], n=2, reward="same_if", reward_inputs=inputs,
+                              dynamic_sampling=2, sampling={"max_tokens": 2})
+    once = await client.submit([[1], [2]], n=2, reward="same_if", reward_inputs=["same", "varied"],
+                               dynamic_sampling=0, sampling={"max_tokens": 2})
+    results = await collect(client, 12, timeout_s=60)
+    by = {(r.job_id, r.group_index): r for r in results}
+    assert len(by) == 12
+    for g in range(10):
+        r = by[job, g]
+        if g < 4:
+            assert (r.status, r.samples, r.rewards) == ("filtered", [], [1.0, 1.0])
+            assert r.reason == "rewards all equal (1) after 2 regeneration(s): filtered (dynamic sampling)"
+        else:
+            assert (r.status, r.rewards, len(r.samples)) == ("ok", [0.0, 1.0], 2)
+    status = await client.status(job)
+    assert (status.ok, status.filtered, status.resampled, status.done) == (6, 4, 8, 10)
+    status = await client.status(once)
+    assert (by[once, 0].status, by[once, 1].status) == ("filtered", "ok")
+    assert (status.ok, status.filtered, status.resampled, status.done) == (1, 1, 0, 2)
+    assert not await client.take(1, timeout_s=0.5)

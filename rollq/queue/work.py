@@ -447,7 +447,8 @@ class WorkQueue:
             # A scored group --> its trainer's scoring stream. Not counted done yet: the scorer's
             # finish counts it (and drops a second copy, DUP), so the job ends when it is scored.
             results, group = self.keys.scoring(self._trainer_keys(claimed.stream)[0]), ""
-            payload = encode(ScoreItem(claimed.score, msgspec.Raw(payload)))
+            item = (claimed.data or b"") if claimed.score.resample is not None else b""
+            payload = encode(ScoreItem(claimed.score, msgspec.Raw(payload), item))
         keys = (claimed.stream, results, job, done, outstanding_bytes)
         raw = claimed.data or b""
         # The item goes back to Redis only into a dead letter: the byte count needs its size.

@@ -15,8 +15,14 @@ from rollq.scoring.records import live_scorers, on_offer
 
 
 def score_specs(reward: str, reward_inputs: Sequence[Any] | None, on_error: str,
-                groups: int) -> list[ScoreSpec]:
+                groups: int, resample: int | None = None, n: int = 2) -> list[ScoreSpec]:
     check_id("reward", reward)
+    if resample is not None:
+        if isinstance(resample, bool) or not isinstance(resample, int):
+            raise InvalidInput("dynamic_sampling", f"{resample!r} must be an integer (times to regenerate)")
+        if n < 2:
+            raise InvalidInput("dynamic_sampling", f"needs n >= 2 samples per group (n={n}): one "
+                                                   "sample's rewards are always all equal")
     if on_error not in ("skip", "fail"):
         raise InvalidInput("reward_errors", f"{on_error!r} must be 'skip' (that sample gets no reward) "
                                             "or 'fail' (the group fails)")
@@ -27,7 +33,7 @@ def score_specs(reward: str, reward_inputs: Sequence[Any] | None, on_error: str,
     if len(reward_inputs) != groups:
         raise InvalidInput("reward_inputs", f"has {len(reward_inputs)} entries for {groups} groups; "
                                             "give one per group")
-    specs = [ScoreSpec(reward, inputs, on_error) for inputs in reward_inputs]
+    specs = [ScoreSpec(reward, inputs, on_error, resample) for inputs in reward_inputs]
     for i, spec in enumerate(specs):
         validate_score(spec, f"reward_inputs[{i}]")
     return specs

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from redis.exceptions import ResponseError
 
-from rollq.queue.names import Group
+from rollq.queue.names import Group, Reply
 from rollq.queue.work import Claimed, WorkQueue, _lua_string
 
 
@@ -36,6 +36,18 @@ class ScoringQueue(WorkQueue):
         except ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+
+    async def requeue(self, claimed: Claimed, item: bytes) -> Reply:
+        """Dynamic sampling: ack the scoring entry and queue `item` (the group, to generate again)
+        on its trainer's work stream, in one fenced script call: OK or LOST."""
+        trainer, _, outstanding_bytes = self._trainer_keys(claimed.stream)
+        job, _ = self._job_keys(claimed.stream, claimed.job_id or "-")
+        reply = await self.scripts.score_requeue(
+            keys=[claimed.stream, self.keys.work(trainer), self.keys.errors, self.keys.trainers,
+                  outstanding_bytes, job],
+            args=[self.consumer, claimed.entry_id, trainer, claimed.job_id, claimed.group_index, item],
+            client=self.redis)
+        return Reply(reply.decode() if isinstance(reply, bytes) else reply)
 
     def _mine(self, stream: str) -> bool:
         return False  # nothing is routed to one scorer

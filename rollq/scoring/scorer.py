@@ -22,7 +22,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rollq.protocol import GroupResult, InvalidInput, ScoreSpec, decode_score_item, encode, unpack_tokens
+from rollq.protocol import (GroupResult, InvalidInput, ScoreSpec, decode_item, decode_score_item, encode,
+                            unpack_tokens)
 from rollq.queue.keys import Keys
 from rollq.queue.names import JobState, Reply
 from rollq.queue.work import Claimed
@@ -161,7 +162,7 @@ class Scorer:
     async def _outcome(self, c: Claimed) -> tuple[GroupResult, str] | None:
         """The group's scored result and its dead-letter reason ('' for none); None: handed back."""
         try:
-            spec, result = decode_score_item(c.data or b"")
+            spec, result, item = decode_score_item(c.data or b"")
         except InvalidInput as e:
             reason = f"scoring entry does not decode: {e}"
             return GroupResult("", -1, "failed", reason=reason, scorer_id=self.scorer_id), reason
@@ -179,7 +180,24 @@ class Scorer:
             await self.queue.release([c], error=f"scorer {self.scorer_id} does not offer reward "
                                                 f"{spec.reward!r}", refund=False)
             return None
-        return await self._scored(spec, result, found), ""
+        scored = await self._scored(spec, result, found)
+        if spec.resample is None or scored.status != "ok" or not _uniform(scored.rewards):
+            return scored, ""
+        if spec.attempt < spec.resample:
+            await self._requeue(c, spec, item)
+            return None
+        # Convert a uniform group --> `filtered`: a terminal result without its samples (its
+        # advantages would all be 0), counted on the job.
+        reason = (f"rewards all equal ({scored.rewards[0]:g}) after {spec.attempt} regeneration(s): "
+                  "filtered (dynamic sampling)")
+        return msgspec.structs.replace(scored, status="filtered", reason=reason, samples=[]), ""
+
+    async def _requeue(self, c: Claimed, spec: ScoreSpec, item: bytes) -> None:
+        """The group, generated again (its item's `attempt` counts it), in place of its result."""
+        work = decode_item(item)  # bytes a worker read and checked; checked again before queuing
+        again = msgspec.structs.replace(work, score=msgspec.structs.replace(spec, attempt=spec.attempt + 1))
+        if await self.queue.requeue(c, encode(again)) is Reply.LOST and not c.taken_over:
+            log.warning("lease of group %s/%s was taken over; not queued again", c.job_id, c.group_index)
 
     async def _scored(self, spec: ScoreSpec, result: GroupResult, found: Reward) -> GroupResult:
         started = time.time()
@@ -233,6 +251,10 @@ class Scorer:
             log.warning("lease of group %s/%s was taken over; its score is dropped", c.job_id, c.group_index)
         elif reply is Reply.DUP:
             log.warning("group %s/%s: result not written (it had one already)", c.job_id, c.group_index)
+
+
+def _uniform(rewards: list[float | None]) -> bool:
+    return bool(rewards) and None not in rewards and len(set(rewards)) == 1
 
 
 async def serve(redis_url: str, policy: str, target: str, *, scorer_id: str, processes: int,
