@@ -166,3 +166,34 @@ async def test_dynamic_sampling_delivers_only_mixed_groups_and_counts_the_rest(
     assert (by[once, 0].status, by[once, 1].status) == ("filtered", "ok")
     assert (status.ok, status.filtered, status.resampled, status.done) == (1, 1, 0, 2)
     assert not await client.take(1, timeout_s=0.5)
+
+
+async def test_a_malformed_scoring_entry_is_dead_lettered_and_a_cancelled_job_ends_cancelled(
+        make_client, spawn_worker, spawn_scorer):
+    client = make_client()
+    spawn_worker()
+    scorer = spawn_scorer(max_inflight=1, processes=1, env={"ROLLQ_TEST_SLOW_S": "2"})
+    await wait_until(lambda: _live(client, scorer.scorer_id), timeout_s=60, what="the scorer's beat")
+    job = await client.submit([[1], [2]], n=2, reward="slow", reward_inputs=[0, 1],
+                              sampling={"max_tokens": 2})
+    stream = client.keys.scoring("trainer")
+
+    async def one_held_one_waiting():
+        try:
+            return (await client.redis.xpending(stream, "workers"))["pending"] == 1 \
+                and await client.redis.xlen(stream) == 2
+        except ResponseError:
+            return False
+    await wait_until(one_held_one_waiting, what="the scorer scoring one group, the other waiting")
+    assert await client.cancel(job) == 2
+    await client.redis.xadd(stream, {"d": b"not a score item"})
+    results = sorted(await collect(client, 3, timeout_s=60), key=lambda r: r.group_index)
+    assert [(r.job_id, r.group_index) for r in results] == [("", -1), (job, 0), (job, 1)]
+    junk, first, second = results
+    assert junk.status == "failed" and junk.reason.startswith("scoring entry does not decode")
+    assert (first.status, second.status) == ("ok", "cancelled")  # scored before the cancel, after
+    [(_, dead)] = await client.redis.xrange(client.keys.dead)
+    assert dead[b"stream"].decode() == stream and dead[b"item"] == b"not a score item"
+    status = await client.status(job)
+    assert (status.ok, status.cancelled, status.done) == (1, 1, 2)
+    assert scorer.proc.poll() is None
