@@ -230,6 +230,7 @@ class RolloutClient:
         reward_inputs: Sequence[Any] | None = None,
         reward_errors: Literal["skip", "fail"] = "skip",
         dynamic_sampling: int | None = None,
+        deliver: int | None = None,
     ) -> str:
         """Queue one group of `n` samples per prompt; returns the job id at once.
 
@@ -253,7 +254,8 @@ class RolloutClient:
         reward that raises or times out leaves that sample without a reward (`skip`) or fails
         the group (`fail`). `dynamic_sampling=k` (DAPO): a group whose rewards are all equal is
         generated again, up to k times, then ends `filtered` (no samples); the job's status
-        counts `filtered` and `resampled`.
+        counts `filtered` and `resampled`. `deliver=k` (over-sampling): the first k groups
+        scored `ok` are delivered, the others end `cancelled` (running ones aborted).
         """
         validate_n(n)
         job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
@@ -263,7 +265,7 @@ class RolloutClient:
         found: dict[str, bytes | None] = {}
         digests = self._group_images(images, len(groups), found)
         items = self._encode_items(job_id, groups, n, _sampling(sampling), deadline_s, window, digests)
-        items = await self._scored(items, reward, reward_inputs, reward_errors, dynamic_sampling, n)
+        items = await self._scored(items, reward, reward_inputs, reward_errors, dynamic_sampling, n, deliver)
         meta_bytes = encode_meta(meta)
         await self._store_images(found, deadline_s)
         return await self._enqueue(job_id, items, meta_bytes, window, wait, timeout_s)
@@ -323,6 +325,7 @@ class RolloutClient:
         reward_inputs: Sequence[Any] | None = None,
         reward_errors: Literal["skip", "fail"] = "skip",
         dynamic_sampling: int | None = None,
+        deliver: int | None = None,
     ) -> str:
         """Queue one group of `n` samples per conversation (a list of OpenAI chat messages).
 
@@ -380,19 +383,20 @@ class RolloutClient:
             except InvalidInput as e:
                 field = f"conversations[{i}]{e.field[4:]}" if e.field.startswith("chat") else e.field
                 raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
-        items = await self._scored(items, reward, reward_inputs, reward_errors, dynamic_sampling, n)
+        items = await self._scored(items, reward, reward_inputs, reward_errors, dynamic_sampling, n, deliver)
         await self._store_images(found, deadline_s)
         return await self._enqueue(job_id, items, encode_meta(meta), window, wait, timeout_s)
 
     async def _scored(self, items: list[tuple[bytes, float]], reward: str | None,
                       reward_inputs: Sequence[Any] | None, on_error: str, resample: int | None,
-                      n: int) -> list[tuple[bytes, float]]:
+                      n: int, deliver: int | None) -> list[tuple[bytes, float]]:
         if reward is None:
-            for name, value in (("reward_inputs", reward_inputs), ("dynamic_sampling", resample)):
+            for name, value in (("reward_inputs", reward_inputs), ("dynamic_sampling", resample),
+                                ("deliver", deliver)):
                 if value is not None:
                     raise InvalidInput(name, "given without a reward; name one (reward=...)")
             return items
-        specs = scoring.score_specs(reward, reward_inputs, on_error, len(items), resample, n)
+        specs = scoring.score_specs(reward, reward_inputs, on_error, len(items), resample, n, deliver)
         await self._retrying(scoring.check_offered, self.redis, self.keys, self.trainer_id, reward,
                              reading=False)
         return scoring.scored_items(items, specs)

@@ -306,6 +306,9 @@ class ScoreSpec(msgspec.Struct, **_WIRE):
     this many times, then ends `filtered` (None: off)..."""
     attempt: int = 0
     """...and how many times this group was generated again so far."""
+    deliver: int | None = None
+    """Over-sampling: the job delivers its first `deliver` groups scored `ok`; the others end
+    `cancelled` (the job is cancelled once they are picked: running groups are aborted)."""
 
 
 class ItemHeader(msgspec.Struct, array_like=True):

@@ -197,3 +197,25 @@ async def test_a_malformed_scoring_entry_is_dead_lettered_and_a_cancelled_job_en
     status = await client.status(job)
     assert (status.ok, status.cancelled, status.done) == (1, 1, 2)
     assert scorer.proc.poll() is None
+
+
+async def test_over_sampling_delivers_exactly_k_and_cancels_the_rest(make_client, spawn_worker,
+                                                                     spawn_scorer):
+    client = make_client()
+    spawn_worker(instant_delay_s=0.3, max_inflight=4, lease_s=3)  # most groups wait or run
+    scorer = spawn_scorer(lease_s=3)
+    await wait_until(lambda: _live(client, scorer.scorer_id), timeout_s=60, what="the scorer's beat")
+    with pytest.raises(InvalidInput, match=r"deliver: 11 must be an integer in \[1, 10\]"):
+        await client.submit([[i + 1] for i in range(10)], n=2, reward="count", deliver=11)
+    job = await client.submit([[i + 1] for i in range(10)], n=2, reward="count",
+                              reward_inputs=list(range(10)), deliver=3, sampling={"max_tokens": 2})
+    results = await collect(client, 10, timeout_s=60)
+    assert sorted(r.group_index for r in results) == list(range(10))
+    ok = [r for r in results if r.status == "ok"]
+    assert len(ok) == 3 and {r.status for r in results} == {"ok", "cancelled"}
+    for r in ok:
+        assert r.rewards == _expected("count", r, r.group_index)
+    status = await client.status(job)
+    assert (status.state, status.ok, status.cancelled, status.done) == ("cancelled", 3, 7, 10)
+    assert await client.redis.hlen(client.keys.picked("trainer", job)) == 3
+    assert not await client.take(1, timeout_s=0.5)

@@ -137,6 +137,11 @@ class Keys:
     def trainer_of_scoring(self, scoring_stream: str) -> str:
         return self._after("scoring", scoring_stream, "a scoring stream")
 
+    def picked(self, trainer: str, job_id: str) -> str:
+        """Hash group index -> 1: the groups of an over-sampled job picked for delivery (at
+        most its `deliver`); expires with the job."""
+        return f"{self._p}:picked:{trainer}:{job_id}"
+
     @property
     def scoring_trainers(self) -> str:
         """Set of trainers that submitted scored jobs: whose scoring streams scorers read. Not

@@ -15,8 +15,13 @@ from rollq.scoring.records import live_scorers, on_offer
 
 
 def score_specs(reward: str, reward_inputs: Sequence[Any] | None, on_error: str,
-                groups: int, resample: int | None = None, n: int = 2) -> list[ScoreSpec]:
+                groups: int, resample: int | None = None, n: int = 2,
+                deliver: int | None = None) -> list[ScoreSpec]:
     check_id("reward", reward)
+    if deliver is not None and (isinstance(deliver, bool) or not isinstance(deliver, int)
+                                or not 1 <= deliver <= groups):
+        raise InvalidInput("deliver", f"{deliver!r} must be an integer in [1, {groups}] "
+                                      "(the groups submitted)")
     if resample is not None:
         if isinstance(resample, bool) or not isinstance(resample, int):
             raise InvalidInput("dynamic_sampling", f"{resample!r} must be an integer (times to regenerate)")
@@ -33,7 +38,7 @@ def score_specs(reward: str, reward_inputs: Sequence[Any] | None, on_error: str,
     if len(reward_inputs) != groups:
         raise InvalidInput("reward_inputs", f"has {len(reward_inputs)} entries for {groups} groups; "
                                             "give one per group")
-    specs = [ScoreSpec(reward, inputs, on_error, resample) for inputs in reward_inputs]
+    specs = [ScoreSpec(reward, inputs, on_error, resample, deliver=deliver) for inputs in reward_inputs]
     for i, spec in enumerate(specs):
         validate_score(spec, f"reward_inputs[{i}]")
     return specs

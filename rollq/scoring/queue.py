@@ -49,6 +49,19 @@ class ScoringQueue(WorkQueue):
             client=self.redis)
         return Reply(reply.decode() if isinstance(reply, bytes) else reply)
 
+    async def pick(self, claimed: Claimed, deliver: int) -> bool:
+        """Over-sampling: may this group be delivered (`score_pick.lua`)?"""
+        trainer = self._trainer_keys(claimed.stream)[0]
+        job, _ = self._job_keys(claimed.stream, claimed.job_id or "-")
+        return bool(await self.scripts.score_pick(
+            keys=[self.keys.picked(trainer, claimed.job_id or "-"), job],
+            args=[claimed.group_index, deliver, self.job_ttl_s], client=self.redis))
+
+    async def picked(self, claimed: Claimed) -> bool:
+        trainer = self._trainer_keys(claimed.stream)[0]
+        return bool(await self.redis.hexists(self.keys.picked(trainer, claimed.job_id or "-"),
+                                             str(claimed.group_index)))
+
     def _mine(self, stream: str) -> bool:
         return False  # nothing is routed to one scorer
 

@@ -172,7 +172,10 @@ class Scorer:
             reason = f"scoring gave up after {c.deliveries - 1} deliveries; last error: {why}"
             return msgspec.structs.replace(result, status="failed", reason=reason,
                                            scorer_id=self.scorer_id), reason
-        if (await self.queue.job_states([c])).get(c.key) is JobState.CANCELLED:
+        # A group picked for delivery before its over-sampled job was cancelled (by that pick
+        # or a later one) is still delivered: its scorer died before writing it.
+        if ((await self.queue.job_states([c])).get(c.key) is JobState.CANCELLED
+                and not (spec.deliver is not None and await self.queue.picked(c))):
             return msgspec.structs.replace(result, status="cancelled", reason="job cancelled",
                                            scorer_id=self.scorer_id), ""
         found = self.rewards.get(spec.reward)
@@ -182,7 +185,7 @@ class Scorer:
             return None
         scored = await self._scored(spec, result, found)
         if spec.resample is None or scored.status != "ok" or not _uniform(scored.rewards):
-            return scored, ""
+            return await self._picked(c, spec, scored), ""
         if spec.attempt < spec.resample:
             await self._requeue(c, spec, item)
             return None
@@ -191,6 +194,13 @@ class Scorer:
         reason = (f"rewards all equal ({scored.rewards[0]:g}) after {spec.attempt} regeneration(s): "
                   "filtered (dynamic sampling)")
         return msgspec.structs.replace(scored, status="filtered", reason=reason, samples=[]), ""
+
+    async def _picked(self, c: Claimed, spec: ScoreSpec, scored: GroupResult) -> GroupResult:
+        """Over-sampling: the group as delivered, or `cancelled` once the job has its groups."""
+        if spec.deliver is None or scored.status != "ok" or await self.queue.pick(c, spec.deliver):
+            return scored
+        return msgspec.structs.replace(scored, status="cancelled", samples=[],
+                                       reason=f"over-sampled: the job delivered its {spec.deliver} groups")
 
     async def _requeue(self, c: Claimed, spec: ScoreSpec, item: bytes) -> None:
         """The group, generated again (its item's `attempt` counts it), in place of its result."""
