@@ -3,6 +3,7 @@ the instant engine in a real `rollq worker` process (scoring is what is tested h
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections import Counter
 
@@ -219,3 +220,27 @@ async def test_over_sampling_delivers_exactly_k_and_cancels_the_rest(make_client
     assert (status.state, status.ok, status.cancelled, status.done) == ("cancelled", 3, 7, 10)
     assert await client.redis.hlen(client.keys.picked("trainer", job)) == 3
     assert not await client.take(1, timeout_s=0.5)
+
+
+async def test_sigterm_hands_held_groups_back_at_once(make_client, spawn_worker, spawn_scorer):
+    client = make_client()
+    spawn_worker()
+    leaving = spawn_scorer(max_inflight=2, lease_s=60, grace_s=0.5, env={"ROLLQ_TEST_SLOW_S": "30"})
+    await wait_until(lambda: _live(client, leaving.scorer_id), timeout_s=60, what="the scorer's beat")
+    job = await client.submit([[1], [2]], n=2, reward="slow", reward_inputs=[0, 1],
+                              sampling={"max_tokens": 2})
+    stream = client.keys.scoring("trainer")
+
+    async def both_held():
+        try:
+            return (await client.redis.xpending(stream, "workers"))["pending"] == 2
+        except ResponseError:
+            return False
+    await wait_until(both_held, what="the scorer holding both groups")
+    leaving.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(leaving.proc.wait, 30) == 0
+    assert not await live_scorers(client.redis, client.keys)  # its record is gone with it
+    # Handed back, not left to lapse (a 60 s lease): another scorer takes them at once.
+    spawn_scorer(lease_s=60, env={"ROLLQ_TEST_SLOW_S": "0"})
+    results = await collect(client, 2, timeout_s=20)
+    assert sorted((r.job_id, r.group_index, r.status) for r in results) == [(job, 0, "ok"), (job, 1, "ok")]
