@@ -4,8 +4,10 @@ the instant engine in a real `rollq worker` process (scoring is what is tested h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from redis.exceptions import ResponseError
@@ -28,6 +30,23 @@ def _expected(name: str, result, inputs) -> list[float]:
     fn = getattr(scoring_rewards, name)
     return [fn(Completion(s.text, s.token_ids, s.finish_reason, i), inputs)
             for i, s in enumerate(result.samples)]
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == parent:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 async def _settled(client, job: str, groups: int) -> None:
@@ -91,8 +110,12 @@ async def test_every_group_scored_exactly_once_through_a_scorer_sigkill(make_cli
             return False
         return any(c["name"] == b"doomed" and c["pending"] >= 4 for c in info["consumers"])
     await wait_until(doomed_holds, timeout_s=30, what="the doomed scorer holding 4 groups")
+    children = _children(doomed.proc.pid)
+    assert children  # its reward processes, in 5 s calls
     doomed.proc.send_signal(signal.SIGKILL)
     doomed.proc.wait(10)
+    await wait_until(lambda: not any(_running(pid) for pid in children), timeout_s=3,
+                     what="the killed scorer's reward processes to die with it")
     survivor = spawn_scorer("survivor", max_inflight=8, processes=2, lease_s=2,
                             env={"ROLLQ_TEST_SLOW_S": "0.01"})
     results = await collect(client, 20, timeout_s=90)

@@ -1,7 +1,7 @@
 """One child process of a scorer's pool: loads the operator's reward module itself, then calls
 its sync rewards one at a time, as its parent asks over stdin/stdout (one JSON line each way).
 
-Run as `python -m rollq.scoring.child MODULE`. Only names and plain data cross the pipe (JSON,
+Run as `python -m rollq.scoring.child MODULE PARENT_PID`. Only names and plain data cross the pipe (JSON,
 never pickle). Each call may add at most its reward's `memory_mb` of address space (RLIMIT_AS,
 raised again after the call), so a memory-hungry reward raises MemoryError here, not in the
 scorer; a call that hangs is the parent's to kill (it owns the timeout).
@@ -9,8 +9,11 @@ scorer; a call that hangs is the parent's to kill (it owns the timeout).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import resource
+import signal
 import sys
 import traceback
 from typing import Any
@@ -52,7 +55,17 @@ def _limited(fn, completion: Completion, inputs: Any, memory_mb: int | None) -> 
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
 
 
-def main(target: str) -> None:
+def _die_with(parent: int) -> None:
+    """A scorer that is SIGKILLed takes its children along (Linux: PR_SET_PDEATHSIG), even one
+    stuck in a reward call, which would not see its stdin close."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+def main(target: str, parent: int) -> None:
+    _die_with(parent)
     # The protocol gets its own copy of stdout; what rewards print goes to stderr.
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
@@ -75,4 +88,4 @@ def main(target: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]))

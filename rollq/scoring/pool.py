@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from typing import Any
 
@@ -38,7 +39,7 @@ class ChildPool:
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "rollq.scoring.child", self.target,
+            sys.executable, "-m", "rollq.scoring.child", self.target, str(os.getpid()),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         try:
             ready = await asyncio.wait_for(child.stdout.readline(), START_TIMEOUT_S)
