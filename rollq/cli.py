@@ -257,6 +257,32 @@ def gateway(policies: tuple[str, ...] | None, weight_store: str | None,
 
 @main.command()
 @click.option("--redis-url", envvar="REDIS_URL", default=DEFAULT_URL, show_default=True)
+@click.option("--policy", envvar="ROLLQ_POLICY", required=True)
+@click.option("--rewards", "target", envvar="ROLLQ_REWARDS", required=True,
+              help="The operator's reward module: `pkg.mod` or a path to a .py file "
+                   "(e.g. rollq.scoring.library: math, code).")
+@click.option("--scorer-id", envvar="ROLLQ_SCORER_ID", default=None, help="Default: host-pid-random.")
+@click.option("--processes", default=2, show_default=True, help="Child processes for sync rewards.")
+@click.option("--max-inflight", default=16, show_default=True, help="Groups scored at once.")
+@click.option("--lease-s", default=30.0, show_default=True)
+@click.option("--grace-s", default=10.0, show_default=True, help="Shutdown: time to finish held groups.")
+def scorer(redis_url: str, policy: str, target: str, scorer_id: str | None, processes: int,
+           max_inflight: int, lease_s: float, grace_s: float) -> None:
+    """Score generated groups of scored jobs with the operator's reward functions."""
+    from rollq.protocol import check_id
+    from rollq.scoring.scorer import serve
+
+    for name, value, low in (("processes", processes, 1), ("max_inflight", max_inflight, 1),
+                             ("lease_s", lease_s, 1.0), ("grace_s", grace_s, 0.0)):
+        if value < low:
+            raise click.BadParameter(f"{name}={value} must be >= {low}")
+    scorer_id = check_id("scorer_id", scorer_id or default_worker_id())
+    asyncio.run(serve(redis_url, check_id("policy", policy), target, scorer_id=scorer_id,
+                      processes=processes, max_inflight=max_inflight, lease_s=lease_s, grace_s=grace_s))
+
+
+@main.command()
+@click.option("--redis-url", envvar="REDIS_URL", default=DEFAULT_URL, show_default=True)
 @click.option("--policy", envvar="ROLLQ_POLICY", default=None, help="One policy; default: all.")
 def status(redis_url: str, policy: str | None) -> None:
     """Versions, workers and queue depths, as tables."""

@@ -61,6 +61,7 @@ from rollq.registry.sources import adapter_of, gathered, is_sharded, named_tenso
 from rollq.registry.staging import Staging
 from rollq.registry.store import WeightStore, adapter_files, digest_dir
 from rollq.registry.versions import Registry
+from rollq.scoring import jobs as scoring
 
 
 log = logging.getLogger("rollq.client")
@@ -225,6 +226,11 @@ class RolloutClient:
         wait: bool = True,
         timeout_s: float | None = None,
         images: Sequence[Any] | None = None,
+        reward: str | None = None,
+        reward_inputs: Sequence[Any] | None = None,
+        reward_errors: Literal["skip", "fail"] = "skip",
+        dynamic_sampling: int | None = None,
+        deliver: int | None = None,
     ) -> str:
         """Queue one group of `n` samples per prompt; returns the job id at once.
 
@@ -241,6 +247,15 @@ class RolloutClient:
         the image placeholders in its prompt (the model's image token, which vLLM expands):
         bytes of PNG, JPEG or WebP files, or `ImageRef`s from `upload_image`. Each distinct
         image is stored once in Redis, whatever the number of groups and jobs naming it.
+
+        Scored jobs (`rollq/scoring/`): `reward` names a reward a live `rollq scorer` offers
+        (refused otherwise, with the names on offer), `reward_inputs[i]` is group i's data for
+        it; each group reaches the trainer scored (`GroupResult.rewards`). `reward_errors`: a
+        reward that raises or times out leaves that sample without a reward (`skip`) or fails
+        the group (`fail`). `dynamic_sampling=k` (DAPO): a group whose rewards are all equal is
+        generated again, up to k times, then ends `filtered` (no samples); the job's status
+        counts `filtered` and `resampled`. `deliver=k` (over-sampling): the first k groups
+        scored `ok` are delivered, the others end `cancelled` (running ones aborted).
         """
         validate_n(n)
         job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
@@ -250,6 +265,7 @@ class RolloutClient:
         found: dict[str, bytes | None] = {}
         digests = self._group_images(images, len(groups), found)
         items = self._encode_items(job_id, groups, n, _sampling(sampling), deadline_s, window, digests)
+        items = await self._scored(items, reward, reward_inputs, reward_errors, dynamic_sampling, n, deliver)
         meta_bytes = encode_meta(meta)
         await self._store_images(found, deadline_s)
         return await self._enqueue(job_id, items, meta_bytes, window, wait, timeout_s)
@@ -305,6 +321,11 @@ class RolloutClient:
         exact_version: int | None = None,
         wait: bool = True,
         timeout_s: float | None = None,
+        reward: str | None = None,
+        reward_inputs: Sequence[Any] | None = None,
+        reward_errors: Literal["skip", "fail"] = "skip",
+        dynamic_sampling: int | None = None,
+        deliver: int | None = None,
     ) -> str:
         """Queue one group of `n` samples per conversation (a list of OpenAI chat messages).
 
@@ -362,8 +383,23 @@ class RolloutClient:
             except InvalidInput as e:
                 field = f"conversations[{i}]{e.field[4:]}" if e.field.startswith("chat") else e.field
                 raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
+        items = await self._scored(items, reward, reward_inputs, reward_errors, dynamic_sampling, n, deliver)
         await self._store_images(found, deadline_s)
         return await self._enqueue(job_id, items, encode_meta(meta), window, wait, timeout_s)
+
+    async def _scored(self, items: list[tuple[bytes, float]], reward: str | None,
+                      reward_inputs: Sequence[Any] | None, on_error: str, resample: int | None,
+                      n: int, deliver: int | None) -> list[tuple[bytes, float]]:
+        if reward is None:
+            for name, value in (("reward_inputs", reward_inputs), ("dynamic_sampling", resample),
+                                ("deliver", deliver)):
+                if value is not None:
+                    raise InvalidInput(name, "given without a reward; name one (reward=...)")
+            return items
+        specs = scoring.score_specs(reward, reward_inputs, on_error, len(items), resample, n, deliver)
+        await self._retrying(scoring.check_offered, self.redis, self.keys, self.trainer_id, reward,
+                             reading=False)
+        return scoring.scored_items(items, specs)
 
     async def _enqueue(self, job_id: str, items: list[tuple[bytes, float]], meta: bytes,
                        window: tuple[int, int | None, int | None], wait: bool,

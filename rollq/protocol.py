@@ -43,6 +43,8 @@ MAX_JOB_GROUPS = 65_536
 MAX_ID_CHARS = 128
 """`job_id`, `trainer_id`, policy names."""
 MAX_RESULT_BYTES = 512 * 1024 * 1024
+MAX_REWARD_INPUT_BYTES = 256 * 1024
+"""Encoded `reward_inputs` of one group (the answer, a program's test cases)."""
 MAX_CHAT_MESSAGES = 4096
 """Messages of one conversation."""
 MAX_CHAT_BYTES = 1024 * 1024
@@ -74,7 +76,7 @@ MAX_GROUP_PIXELS = 2 * MAX_IMAGE_PIXELS
 ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
 """Matched with fullmatch: `$` would also match before a trailing newline."""
 
-Status = Literal["ok", "failed", "expired", "cancelled"]
+Status = Literal["ok", "failed", "expired", "cancelled", "filtered"]
 
 
 class InvalidInput(ValueError):
@@ -287,6 +289,29 @@ class WorkItem(msgspec.Struct, **_WIRE):
     images: list[str] = []
     """BLAKE3 hex digests of the group's images, stored once each in Redis (`rollq/images.py`),
     in prompt order; a chat names them in its `rollq-image:<digest>` image_url parts."""
+    score: ScoreSpec | None = None
+    """A scored job's reward: its finished group goes to the scorers, not to the trainer
+    (`rollq/scoring/`)."""
+
+
+class ScoreSpec(msgspec.Struct, **_WIRE):
+    """Which reward scores a group, with what: a name the operator's reward module registered
+    (never code), and plain data for it."""
+
+    reward: str
+    inputs: Any = None
+    """The group's `reward_inputs[i]` (msgpack data: the answer, test cases, ...)."""
+    on_error: Literal["skip", "fail"] = "skip"
+    """A reward that raises or times out: `skip` leaves that sample without a reward (and says
+    why in `reward_errors`), `fail` fails the group."""
+    resample: int | None = None
+    """Dynamic sampling (DAPO): a group whose rewards are all equal is generated again up to
+    this many times, then ends `filtered` (None: off)..."""
+    attempt: int = 0
+    """...and how many times this group was generated again so far."""
+    deliver: int | None = None
+    """Over-sampling: the job delivers its first `deliver` groups scored `ok`; the others end
+    `cancelled` (the job is cancelled once they are picked: running groups are aborted)."""
 
 
 class ItemHeader(msgspec.Struct, array_like=True):
@@ -382,6 +407,16 @@ class GroupResult(msgspec.Struct, **_WIRE):
     prompt_drift: bool = False
     """A chat with `prefix_tokens`: rendering the whole conversation from its text would have
     given other token ids than `prompt` (re-tokenization drift the exact prefix avoided)."""
+    rewards: list[float | None] = []
+    """A scored job: each sample's reward (None where the reward raised or timed out)..."""
+    reward_errors: list[str] = []
+    """...why, per sample ('' where it was scored)..."""
+    reward: str = ""
+    reward_version: str = ""
+    """...the reward's name and the version its scorer offers..."""
+    reward_s: float = 0.0
+    """...and the wall time of scoring the group."""
+    scorer_id: str = ""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -425,6 +460,47 @@ _header_decoder = msgspec.msgpack.Decoder(ItemHeader)
 _result_decoder = msgspec.msgpack.Decoder(GroupResult)
 _meta_decoder = msgspec.msgpack.Decoder(dict[str, Any])
 _version_decoder = msgspec.msgpack.Decoder(VersionEntry)
+
+
+class ScoreItem(msgspec.Struct, **_WIRE):
+    """An entry of a trainer's scoring stream: a generated group of a scored job, waiting for
+    its reward. Like a WorkItem it names no trainer: the stream does."""
+
+    spec: ScoreSpec
+    result: msgspec.Raw
+    """The encoded GroupResult, as the worker finished it."""
+    item: bytes = b""
+    """The encoded WorkItem, with dynamic sampling: what is queued again."""
+
+
+_score_item_decoder = msgspec.msgpack.Decoder(ScoreItem)
+
+
+def decode_score_item(data: bytes) -> tuple[ScoreSpec, GroupResult, bytes]:
+    """A scoring entry's spec, group and work item (b"" unless dynamic sampling), size first
+    (InvalidInput for anything malformed)."""
+    if len(data) > MAX_RESULT_BYTES:
+        raise InvalidInput("score item", f"is {len(data)} bytes; the limit is {MAX_RESULT_BYTES}")
+    try:
+        item = _score_item_decoder.decode(data)
+        return item.spec, _result_decoder.decode(item.result), item.item
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise InvalidInput("score item", f"does not decode: {e}") from None
+
+
+MAX_RESAMPLE = 16
+
+
+def validate_score(spec: ScoreSpec, field: str = "reward_inputs") -> None:
+    check_id("reward", spec.reward)
+    if spec.resample is not None and not 0 <= spec.resample <= MAX_RESAMPLE:
+        raise InvalidInput("dynamic_sampling", f"{spec.resample} must be in [0, {MAX_RESAMPLE}]")
+    try:
+        size = len(encode(spec.inputs))
+    except (TypeError, OverflowError, msgspec.EncodeError) as e:
+        raise InvalidInput(field, f"cannot be encoded as msgpack data: {e}") from None
+    if size > MAX_REWARD_INPUT_BYTES:
+        raise InvalidInput(field, f"is {size} bytes encoded; the limit is {MAX_REWARD_INPUT_BYTES}")
 
 
 def encode(obj: Any) -> bytes:
@@ -823,12 +899,16 @@ def _validate_item(item: WorkItem) -> None:
     extra_size = len(encode(item.sampling.extra))
     if extra_size > MAX_META_BYTES:
         raise InvalidInput("sampling.extra", f"is {extra_size} bytes encoded; the limit is {MAX_META_BYTES}")
+    if item.score is not None:
+        validate_score(item.score, f"reward_inputs[{item.group_index}]")
 
 
 def _validate_group(item: WorkItem) -> None:
     """The checks of `_validate_item` on fields each group has its own of, in the same order."""
     _validate_group_index(item.group_index)
     _validate_prompt_and_images(item)
+    if item.score is not None:
+        validate_score(item.score, f"reward_inputs[{item.group_index}]")
 
 
 def _validate_group_index(group_index: int) -> None:

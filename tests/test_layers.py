@@ -9,6 +9,7 @@ import pytest
 
 ROLLQ = Path(__file__).resolve().parents[1] / "rollq"
 BELOW_THE_WORKER = [*(ROLLQ / "queue").glob("*.py"), *(ROLLQ / "registry").glob("*.py"),
+                    *(ROLLQ / "scoring").glob("*.py"),
                     *(ROLLQ / "gateway").glob("*.py"), ROLLQ / "status.py", ROLLQ / "client.py"]
 
 

@@ -30,6 +30,10 @@ class JobStatus(msgspec.Struct, frozen=True):
     deadline: float
     finished_at: float
     meta: dict[str, Any]
+    filtered: int = 0
+    """Scored jobs with dynamic sampling: groups whose rewards stayed all equal (not delivered)..."""
+    resampled: int = 0
+    """...and times a group was generated again for it."""
 
     @property
     def finished(self) -> bool:
@@ -126,6 +130,8 @@ async def job_status(redis: Redis, keys: Keys, trainer: str, job_id: str) -> Job
         deadline=float(field[JobField.DEADLINE]),
         finished_at=float(field.get(JobField.FINISHED_AT, 0)),
         meta=decode_meta(field[JobField.META]),
+        filtered=int(field.get(JobField.FILTERED, 0)),
+        resampled=int(field.get(JobField.RESAMPLED, 0)),
     )
 
 

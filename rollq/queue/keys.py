@@ -128,6 +128,35 @@ class Keys:
         """A worker's last heartbeat; expires when the worker stops beating."""
         return f"{self._p}:worker:{worker_id}"
 
+    def scoring(self, trainer: str) -> str:
+        """Stream of one trainer's generated groups of scored jobs, waiting for their reward
+        (`rollq/scoring/`): one entry per group, claimed by scorers as work streams are by
+        workers (the same consumer group name, `Group.WORKERS`, so the same scripts serve)."""
+        return f"{self._p}:scoring:{trainer}"
+
+    def trainer_of_scoring(self, scoring_stream: str) -> str:
+        return self._after("scoring", scoring_stream, "a scoring stream")
+
+    def picked(self, trainer: str, job_id: str) -> str:
+        """Hash group index -> 1: the groups of an over-sampled job picked for delivery (at
+        most its `deliver`); expires with the job."""
+        return f"{self._p}:picked:{trainer}:{job_id}"
+
+    @property
+    def scoring_trainers(self) -> str:
+        """Set of trainers that submitted scored jobs: whose scoring streams scorers read. Not
+        pruned (a trainer's scoring stream is created by a worker after the submit)."""
+        return f"{self._p}:scoring-trainers"
+
+    @property
+    def scorers(self) -> str:
+        """Sorted set of scorer ids by time of their last heartbeat."""
+        return f"{self._p}:scorers"
+
+    def scorer(self, scorer_id: str) -> str:
+        """A scorer's last heartbeat (the rewards it offers); expires when it stops beating."""
+        return f"{self._p}:scorer:{scorer_id}"
+
     def image(self, trainer: str, digest: str) -> str:
         """String: one image's encoded bytes, stored once per trainer and content (BLAKE3 hex
         `digest`) whatever the number of groups and jobs naming it; expires (`rollq/images.py`).

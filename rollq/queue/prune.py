@@ -49,6 +49,11 @@ async def expire_results(redis: Redis, scripts: Scripts, keys: Keys, ttl_s: int,
     cutoff = time.time() - ttl_s
     for stream in await redis.zrangebyscore(k.result_streams, "-inf", cutoff, start=0, num=limit):
         stream = _text(stream)
+        if not stream.startswith(k.results("")):
+            # A scoring stream (finish.lua marks every stream it writes): groups wait there for
+            # a scorer, however long; they are never dropped.
+            await redis.zrem(k.result_streams, stream)
+            continue
         trainer = k.trainer_of_results(stream)
         n = await scripts.results_expire(
             keys=[k.result_streams, stream, k.outstanding(trainer), k.outstanding(base_trainer(trainer))],

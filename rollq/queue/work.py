@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from rollq.protocol import ScoreItem, ScoreSpec, encode
 from rollq.queue.connection import NotReplicated, check_replicated, durability
 from rollq.queue.keys import Keys, base_trainer
 from rollq.queue.names import Group, JobField, JobState, Reply, WorkField
@@ -58,6 +59,8 @@ class Claimed:
     pending list raced that call, whose own reply says whether it was still ours."""
     taken_over: bool = False
     """A renewal found it owned by another consumer (and said so)."""
+    score: ScoreSpec | None = None
+    """The item's reward (a scored job): its `ok` result goes to the trainer's scoring stream."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -440,6 +443,12 @@ class WorkQueue:
         _, results, outstanding_bytes = self._trainer_keys(claimed.stream)
         job, done = self._job_keys(claimed.stream, claimed.job_id or "-")
         group = "" if claimed.group_index is None or not claimed.job_id else str(claimed.group_index)
+        if claimed.score is not None and status == "ok":
+            # A scored group --> its trainer's scoring stream. Not counted done yet: the scorer's
+            # finish counts it (and drops a second copy, DUP), so the job ends when it is scored.
+            results, group = self.keys.scoring(self._trainer_keys(claimed.stream)[0]), ""
+            item = (claimed.data or b"") if claimed.score.resample is not None else b""
+            payload = encode(ScoreItem(claimed.score, msgspec.Raw(payload), item))
         keys = (claimed.stream, results, job, done, outstanding_bytes)
         raw = claimed.data or b""
         # The item goes back to Redis only into a dead letter: the byte count needs its size.

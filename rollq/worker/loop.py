@@ -252,6 +252,7 @@ class Worker:
         for c, item in zip(claimed, items):
             if isinstance(item, WorkItem):
                 c.n = self._typical_n = item.n
+                c.score = item.score
         states = await self.queue.claimed_states(claimed)
         at_once, engine_at_once = [], self.engine.at_once
         for c, item in zip(claimed, items):

@@ -39,8 +39,9 @@ end
 -- '0' so that entries added before any worker starts are still delivered; BUSYGROUP is fine.
 redis.pcall('XGROUP', 'CREATE', KEYS[2], GROUP_WORKERS, '0', 'MKSTREAM')
 redis.call('HSET', KEYS[1], JOB_TRAINER, ARGV[1], JOB_GROUPS, groups, JOB_DONE, 0, JOB_OK, 0,
-  JOB_FAILED, 0, JOB_EXPIRED, 0, JOB_CANCELLED, 0, JOB_CREATED_AT, ARGV[4], JOB_DEADLINE, ARGV[5],
-  JOB_META, ARGV[6], JOB_STATE, STATE_PENDING, JOB_MIN_VERSION, ARGV[8])
+  JOB_FAILED, 0, JOB_EXPIRED, 0, JOB_CANCELLED, 0, JOB_FILTERED, 0, JOB_RESAMPLED, 0,
+  JOB_CREATED_AT, ARGV[4], JOB_DEADLINE, ARGV[5], JOB_META, ARGV[6], JOB_STATE, STATE_PENDING,
+  JOB_MIN_VERSION, ARGV[8])
 if ARGV[9] ~= '' then
   -- An upper bound may need old versions: retention looks here before deleting any.
   redis.call('HSET', KEYS[1], JOB_MAX_VERSION, ARGV[9])
