@@ -45,9 +45,9 @@ from common import machine, stop_process  # noqa: E402
 from dispatch import _at_least_members, _spawn, _wait  # noqa: E402
 from scale import fill  # noqa: E402
 
-from rollq.bench import results_dir  # noqa: E402
+from rollq.harness.bench import results_dir  # noqa: E402
 from rollq.client import RolloutClient  # noqa: E402
-from rollq.faults import RedisProcess  # noqa: E402
+from rollq.harness.faults import RedisProcess  # noqa: E402
 from rollq.engine.instant import InstantEngine  # noqa: E402
 from rollq.queue.connection import connect  # noqa: E402
 from rollq.queue.keys import Keys  # noqa: E402

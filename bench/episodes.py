@@ -36,9 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import make_llama, write_result  # noqa: E402
 
-from rollq.bench import episodes_table  # noqa: E402
+from rollq.harness.bench import episodes_table  # noqa: E402
 from rollq.client import RolloutClient  # noqa: E402
-from rollq.faults import RedisProcess  # noqa: E402
+from rollq.harness.faults import RedisProcess  # noqa: E402
 from rollq.queue.connection import connect  # noqa: E402
 from rollq.queue.keys import Keys  # noqa: E402
 from rollq.queue.work import WorkQueue  # noqa: E402

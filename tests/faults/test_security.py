@@ -12,7 +12,7 @@ from redis.exceptions import AuthenticationError, ConnectionError, NoPermissionE
 
 from rollq.client import RolloutClient
 from rollq.engine.instant import InstantEngine
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 from rollq.queue.connection import connect
 from rollq.queue.keys import Keys
 from rollq.queue.work import WorkQueue
