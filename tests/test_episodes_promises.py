@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import wait_until
 
-from rollq.episodes import EpisodeError
+from rollq.client.episodes import EpisodeError
 from rollq.queue import jobs
 from rollq.queue.names import EpisodeState
 

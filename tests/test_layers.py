@@ -9,7 +9,8 @@ import pytest
 
 ROLLQ = Path(__file__).resolve().parents[1] / "rollq"
 BELOW_THE_WORKER = [*(ROLLQ / "queue").glob("*.py"), *(ROLLQ / "registry").glob("*.py"),
-                    *(ROLLQ / "gateway").glob("*.py"), ROLLQ / "status.py", ROLLQ / "client.py"]
+                    *(ROLLQ / "gateway").glob("*.py"), ROLLQ / "status.py",
+                    *(ROLLQ / "client").glob("*.py")]
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 from rollq.harness.chaos.trainer import POLICY
 from rollq.client import RolloutClient
-from rollq.episodes import EpisodeError
+from rollq.client.episodes import EpisodeError
 from rollq.protocol import InvalidInput
 
 MARKER_BASE = 100_000_000

@@ -702,11 +702,11 @@ class RolloutClient:
         return await self._retrying(conversations.trajectory, self, conversation_id)
 
     def episodes(self, *, owner: str | None = None, affinity: bool = True):
-        """Multi-turn episodes of this trainer (`rollq.episodes.Episodes`; close it when done).
+        """Multi-turn episodes of this trainer (`rollq.client.episodes.Episodes`; close it when done).
         `owner` names the result stream its turns come back on (default: a fresh one; name it
         so a restarted trainer can `recover()` the turns it left running);
         `affinity`: each turn goes to the worker that served the previous one while it can."""
-        from rollq.episodes import Episodes
+        from rollq.client.episodes import Episodes
 
         return Episodes(self, owner=owner, affinity=affinity)
 

@@ -67,7 +67,7 @@ from rollq.queue.workers import WorkerState
 if TYPE_CHECKING:
     from rollq.client import RolloutClient
 
-log = logging.getLogger("rollq.episodes")
+log = logging.getLogger("rollq.client.episodes")
 
 DEFAULT_TTL_S = 600
 """An episode record lives this long after its last turn began or ended."""
@@ -333,7 +333,7 @@ class Episodes:
         served by the version that served its first turn, unless `move` (then by any version of
         the window, never an older one than the last turn's; `Episode.token_versions` says which).
         """
-        from rollq.client import _sampling
+        from rollq.client.rollouts import _sampling
 
         validate_n(n)
         episode_id = check_id("episode_id", episode_id) if episode_id else uuid.uuid4().hex

@@ -1,0 +1,6 @@
+"""The trainer SDK: `RolloutClient` (submit, read results, publish weights), its synchronous
+wrapper, and multi-turn `Episodes`. Built on the queue and the registry; nothing below imports it."""
+
+from rollq.client.rollouts import RolloutClient, SyncRolloutClient
+
+__all__ = ["RolloutClient", "SyncRolloutClient"]
