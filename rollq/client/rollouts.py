@@ -14,10 +14,9 @@ import asyncio
 import logging
 import os
 import random
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,20 +32,22 @@ from rollq.protocol import (
     QueueFull,
     Sampling,
     VersionEntry,
+    as_sampling,
     WorkItem,
     check_id,
     check_trainer_id,
+    derived_trainer_id,
     decode_item,
     encode,
     encode_meta,
     pack_tokens,
-    sampling_from_dict,
     validate_item,
     validate_n,
     VersionWindow,
 )
 from rollq import conversations
 from rollq import images as imaging
+from rollq.client.episodes import Episodes
 from rollq.conversations import Trajectory
 from rollq.queue import jobs
 from rollq.config import default_weight_store
@@ -88,24 +89,15 @@ trainers (docs/reliability.md, "Delivery to trainers", says the same for HTTP):
 """
 
 
-def _check_ack(ack: str) -> None:
+def check_ack(ack: str) -> None:
     if ack not in ("auto", "manual"):
         raise InvalidInput("ack", f"ack={ack!r} must be 'auto' or 'manual'")
-
-
-async def _result_of(task: asyncio.Task):
-    return await task
 
 
 def _log_failed_publish(task: asyncio.Task) -> None:
     """A background publish that failed is logged even if its caller never awaits its task."""
     if not task.cancelled() and (error := task.exception()) is not None:
         log.error("publish_weights (wait=False) failed: %s: %s", type(error).__name__, error)
-
-
-async def _now(func, *args):
-    """Run a plain function on the client's event loop (the sync wrapper's thread)."""
-    return func(*args)
 
 
 def group_prompts(prompts: Sequence[Prompt], n: int, repeated: bool) -> list[list[int] | str]:
@@ -135,16 +127,6 @@ def _typed(field: str, value: Any, typ: Any) -> Any:
         return msgspec.convert(value, typ)
     except msgspec.ValidationError as e:
         raise InvalidInput(field, str(e)) from None
-
-
-def _sampling(sampling: Sampling | dict[str, Any] | None) -> Sampling:
-    if sampling is None:
-        return Sampling()
-    if isinstance(sampling, Sampling):
-        return sampling
-    if not isinstance(sampling, dict):
-        raise InvalidInput("sampling", f"must be a Sampling or a dict, got {type(sampling).__name__}")
-    return sampling_from_dict(sampling)
 
 
 class RolloutClient:
@@ -249,7 +231,7 @@ class RolloutClient:
         groups = group_prompts(prompts, n, repeated)
         found: dict[str, bytes | None] = {}
         digests = self._group_images(images, len(groups), found)
-        items = self._encode_items(job_id, groups, n, _sampling(sampling), deadline_s, window, digests)
+        items = self._encode_items(job_id, groups, n, as_sampling(sampling), deadline_s, window, digests)
         meta_bytes = encode_meta(meta)
         await self._store_images(found, deadline_s)
         return await self._enqueue(job_id, items, meta_bytes, window, wait, timeout_s)
@@ -323,7 +305,7 @@ class RolloutClient:
         job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
         window = VersionWindow(max_staleness=max_staleness, min_version=min_version,
                                max_version=max_version, exact_version=exact_version).resolve()
-        settings = msgspec.structs.replace(_sampling(sampling), return_text=True)
+        settings = msgspec.structs.replace(as_sampling(sampling), return_text=True)
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
             raise InvalidInput("conversations", "must be a list of conversations (lists of messages)")
         shared = dict(tools=_typed("tools", tools, list[dict[str, Any]] | None),
@@ -483,7 +465,7 @@ class RolloutClient:
         Breaking out of the loop is safe: results read but not handed out yet come first from the
         next `results()` or `take()` of this client.
         """
-        _check_ack(ack)
+        check_ack(ack)
         while True:
             for entry_id, result in await self._next_batch(batch, int(block_s * 1000)):
                 # Handed (and, with "auto", due for acknowledgement) only when actually yielded.
@@ -493,7 +475,7 @@ class RolloutClient:
     async def take(self, count: int, *, timeout_s: float = 30.0,
                    ack: AckMode = "auto") -> list[GroupResult]:
         """Up to `count` results, waiting at most `timeout_s`. Acknowledgement: see `AckMode`."""
-        _check_ack(ack)
+        check_ack(ack)
         await self._ack_auto()
         got: list[GroupResult] = []
         give_up = time.monotonic() + timeout_s
@@ -511,7 +493,7 @@ class RolloutClient:
                       ack: AckMode = "auto") -> list[GroupResult]:
         """The results that have arrived, up to `max_count`, as soon as there is one (waiting at
         most `block_s`; `take` instead waits to fill its count). Acknowledgement: see `AckMode`."""
-        _check_ack(ack)
+        check_ack(ack)
         return [r for e, r in await self._next_batch(max_count, int(block_s * 1000)) if self._hand(e, ack)]
 
     async def ack(self, results: Iterable[GroupResult | str] | None = None) -> int:
@@ -701,78 +683,19 @@ class RolloutClient:
         expired, an hour after its last turn)."""
         return await self._retrying(conversations.trajectory, self, conversation_id)
 
-    def episodes(self, *, owner: str | None = None, affinity: bool = True):
+    def replay(self) -> None:
+        """After a lost reply: the next read hands again the results delivered to this client
+        and not acknowledged (the reply may have carried some)."""
+        self._reader.replay()
+
+    def episodes(self, *, owner: str | None = None, affinity: bool = True) -> Episodes:
         """Multi-turn episodes of this trainer (`rollq.client.episodes.Episodes`; close it when done).
         `owner` names the result stream its turns come back on (default: a fresh one; name it
         so a restarted trainer can `recover()` the turns it left running);
         `affinity`: each turn goes to the worker that served the previous one while it can."""
-        from rollq.client.episodes import Episodes
-
-        return Episodes(self, owner=owner, affinity=affinity)
-
-
-class SyncRolloutClient:
-    """RolloutClient for synchronous code: the same calls, run on a private event loop thread."""
-
-    def __init__(self, redis_url: str = DEFAULT_URL, **kwargs: Any):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollq-client",
-                                        daemon=True)
-        self._thread.start()
-        self._client = self._call(self._make(redis_url, kwargs))
-
-    @staticmethod
-    async def _make(redis_url: str, kwargs: dict[str, Any]) -> RolloutClient:
-        return RolloutClient(redis_url, **kwargs)
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def submit(self, prompts, n: int = 1, sampling=None, **kwargs: Any) -> str:
-        return self._call(self._client.submit(prompts, n, sampling, **kwargs))
-
-    def upload_image(self, data: bytes, **kwargs: Any):
-        return self._call(self._client.upload_image(data, **kwargs))
-
-    def take(self, count: int, *, timeout_s: float = 30.0, ack: AckMode = "auto") -> list[GroupResult]:
-        return self._call(self._client.take(count, timeout_s=timeout_s, ack=ack))
-
-    def results(self, *, batch: int = 64, ack: AckMode = "auto") -> Iterator[GroupResult]:
-        """Results as they arrive, forever; acknowledged as `RolloutClient.results` says."""
-        _check_ack(ack)
-        while True:
-            for entry_id, result in self._call(self._client._next_batch(batch, 1000)):
-                if self._call(_now(self._client._hand, entry_id, ack)):
-                    yield result
-
-    def ack(self, results: Iterable[GroupResult | str] | None = None) -> int:
-        return self._call(self._client.ack(results))
-
-    def status(self, job_id: str) -> JobStatus:
-        return self._call(self._client.status(job_id))
-
-    def wait(self, job_id: str, *, timeout_s: float | None = None) -> JobStatus:
-        return self._call(self._client.wait(job_id, timeout_s=timeout_s))
-
-    def cancel(self, job_id: str) -> int:
-        return self._call(self._client.cancel(job_id))
-
-    def conversation(self, conversation_id: str) -> Trajectory | None:
-        return self._call(self._client.conversation(conversation_id))
-
-    def publish_weights(self, version: int, source: Any, *, wait: bool = True, **kwargs: Any):
-        """`wait=False`: a `concurrent.futures.Future` of the `VersionEntry` (see the async client)."""
-        published = self._call(self._client.publish_weights(version, source, wait=wait, **kwargs))
-        return published if wait else asyncio.run_coroutine_threadsafe(_result_of(published), self._loop)
-
-    def close(self) -> None:
-        self._call(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def __enter__(self) -> SyncRolloutClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        owner = check_id("owner", owner) if owner is not None else uuid.uuid4().hex[:10]
+        # The turns go through a client of their own: its trainer id names the owner's stream.
+        turns = RolloutClient(policy=self.keys.policy, redis=self.redis,
+                              trainer_id=derived_trainer_id(self.trainer_id, "episodes", owner))
+        return Episodes(turns, trainer=self.trainer_id, scripts=self.scripts, registry=self.registry,
+                        owner=owner, affinity=affinity)

@@ -133,7 +133,7 @@ def _made(app: web.Application, gw: Gateway, policy: str, trainer: str) -> Episo
     made = app[EPISODES]
     key = (policy, trainer)
     if key not in made:
-        made[key] = Episodes(gw.client(policy, trainer), owner=gw.settings.gateway_id)
+        made[key] = gw.client(policy, trainer).episodes(owner=gw.settings.gateway_id)
         asyncio.get_running_loop().create_task(_opened(made[key]), name="episodes-open")
     return made[key]
 
