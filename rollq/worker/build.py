@@ -30,6 +30,9 @@ def build_worker(s: WorkerSettings, redis: Redis, engine: Engine, *, max_infligh
                     pinned=s.pin_version is not None, stats=stats)
     follower = None
     if follow and not worker.pinned:
-        follower = VersionFollower(worker, worker.registry, mode=s.swap_mode, base_schema=base_schema,
-                                   poll_s=s.poll_s)
+        follower = VersionFollower(worker.engine, worker.registry, worker.versions,
+                                   admission=worker.admission, heartbeat=worker.heartbeat,
+                                   stats=worker.stats, worker_id=worker.worker_id,
+                                   stopping=lambda: worker.stopping, mode=s.swap_mode,
+                                   base_schema=base_schema, poll_s=s.poll_s)
     return worker, follower
