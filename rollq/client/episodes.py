@@ -33,7 +33,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import random
 import time
 import uuid
 from collections.abc import Sequence
@@ -61,6 +60,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.engine.chat import CONTINUATION_BASE
+from rollq.queue.connection import Backoff
 from rollq.queue.names import EpisodeField, EpisodeState, Reply
 from rollq.queue.scripts import Scripts
 from rollq.queue.workers import WorkerState
@@ -574,7 +574,7 @@ class Episodes:
         than the client's retries: the results read are kept and applied when it is back, never
         acknowledged before (a result acknowledged unapplied would be lost for good)."""
         unapplied: list[GroupResult] = []
-        delay, busy = 0.1, time.monotonic()
+        backoff, busy = Backoff(0.1, 2.0), time.monotonic()
         while not self._stopping:
             try:
                 if time.monotonic() - self._renewed >= self.owner_lease_s / 5 and not await self._hold():
@@ -595,12 +595,11 @@ class Episodes:
                     await self._deliver(unapplied[0])
                     done = unapplied.pop(0)
                     await self._submitter.ack([done])
-                delay = 0.1
+                backoff.reset()
             except (RedisConnectionError, RedisTimeoutError) as e:
                 log.warning("episode results of %s: Redis unreachable (%s); retrying", self.owner, e)
                 self._submitter.replay()  # a lost reply may have carried results
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
 
     async def _deliver(self, result: GroupResult) -> None:
         """Apply one result and wake its caller (a result applied before is a no-op)."""

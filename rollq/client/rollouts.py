@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -51,7 +50,7 @@ from rollq.client.episodes import Episodes
 from rollq.conversations import Trajectory
 from rollq.queue import jobs
 from rollq.config import default_weight_store
-from rollq.queue.connection import DEFAULT_URL, connect
+from rollq.queue.connection import DEFAULT_URL, Backoff, connect
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
@@ -357,7 +356,7 @@ class RolloutClient:
             raise InvalidInput("prompts", f"the job's items are {size} bytes encoded; they can never "
                                           f"fit the quota max_outstanding_bytes={self.max_outstanding_bytes}")
         give_up = time.monotonic() + timeout_s if timeout_s is not None else None
-        delay = 0.01
+        backoff = Backoff(0.01, 0.5)
         while True:
             try:
                 # Retried through connection loss: the job id makes a repeated enqueue a no-op.
@@ -376,8 +375,7 @@ class RolloutClient:
             while not await self._room(len(items), size, limit, byte_limit):
                 if give_up is not None and time.monotonic() >= give_up:
                     break
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 0.5)
+                await backoff.sleep()
 
     async def submit_routed(self, job_id: str, prompt: list[int], n: int, sampling: Sampling,
                             window: tuple[int, int | None, int | None], deadline_s: float | None,
@@ -413,7 +411,7 @@ class RolloutClient:
         """`await func(*args, **kwargs)`, again with backoff while Redis is unreachable (a restart, a killed
         connection), for up to `reconnect_s`. A read starts over with the results delivered but
         not acknowledged, in case the lost reply carried some."""
-        give_up, delay = time.monotonic() + self.reconnect_s, 0.05
+        give_up, backoff = time.monotonic() + self.reconnect_s, Backoff(0.05, 2.0)
         while True:
             try:
                 return await func(*args, **kwargs)
@@ -422,8 +420,7 @@ class RolloutClient:
                     raise
                 if reading:
                     self._reader.replay()
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
 
     def _encode_items(self, job_id: str, prompts: list[list[int] | str], n: int, sampling: Sampling,
                       deadline_s: float | None, window: tuple[int, int | None, int | None],

@@ -22,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rollq.engine.base import Engine, EngineDead
 from rollq.images import ImageLoader
 from rollq.protocol import GroupResult, WorkItem
-from rollq.queue.connection import unreachable
+from rollq.queue.connection import Backoff, unreachable
 from rollq.queue.names import JobState
 from rollq.queue.work import Claimed, WorkQueue
 from rollq.registry.versions import Registry
@@ -170,17 +170,16 @@ class Worker:
 
     async def _feed_loop(self) -> None:
         """Claim while there is room; a Redis outage pauses claiming (with backoff), never ends it."""
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while not self._stopping.is_set():
             try:
                 if not await self._feed_once():
                     break
-                delay = 0.1
+                backoff.reset()
             except (RedisConnectionError, RedisTimeoutError) as e:
                 self._redis_error, self._redis_error_at = f"redis unreachable: {e}", time.monotonic()
-                log.warning("redis unreachable (%s); claiming again in %.1f s", e, delay)
-                await _first(self._stopping.wait(), timeout=delay * (0.5 + random.random()))
-                delay = min(delay * 2, 5.0)
+                log.warning("redis unreachable (%s); claiming again in %.1f s", e, backoff.delay)
+                await _first(self._stopping.wait(), timeout=backoff.next())
 
     async def _feed_once(self) -> bool:
         """One round of claiming; False when the worker must stop."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -22,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rollq.engine.base import Engine, GroupError
 from rollq.images import SERVING_FOR
 from rollq.protocol import GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode, peek_header
+from rollq.queue.connection import Backoff
 from rollq.queue.names import JobState, Reply
 from rollq.queue.work import Claimed, WorkQueue
 from rollq.queue.workers import live_workers, recently_pinned
@@ -189,7 +189,7 @@ class GroupServer:
         if not finishing:
             return
         calls = [(c, result.status, encode(result), dead_reason) for c, result, dead_reason in finishing]
-        give_up, delay = time.monotonic() + self.lease_s, 0.1
+        give_up, backoff = time.monotonic() + self.lease_s, Backoff(0.1, 2.0)
         c = finishing[0][0]
         while True:
             try:
@@ -200,8 +200,7 @@ class GroupServer:
                     raise
                 log.warning("writing %d results (group %s/%s, ...): redis unreachable (%s); "
                             "retrying", len(calls), c.job_id, c.group_index, e)
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
         newest = max(self.versions.newest or 0, self.engine.version)
         for (c, result, dead_reason), outcome in zip(finishing, outcomes):
             if outcome is Reply.LOST and not c.taken_over:  # (the renewal warned already)
