@@ -27,6 +27,7 @@ from rollq.queue.work import Claimed, WorkQueue
 from rollq.queue.workers import live_workers, recently_pinned
 from rollq.worker.admission import Admission
 from rollq.worker.heartbeat import Heartbeat
+from rollq.worker.limits import Limits
 from rollq.worker.stats import WorkerStats
 from rollq.worker.versions import VersionState
 from rollq.worker.windows import Decision, Verdict, decide, in_window
@@ -43,8 +44,7 @@ class GroupServer:
     """What serving a group needs, and nothing of how groups are claimed or held."""
 
     def __init__(self, queue: WorkQueue, engine: Engine, *, versions: VersionState,
-                 admission: Admission, stats: WorkerStats, heartbeat: Heartbeat, max_inflight: int,
-                 lease_s: float, max_deliveries: int, pinned: bool):
+                 admission: Admission, stats: WorkerStats, heartbeat: Heartbeat, limits: Limits):
         self.queue = queue
         self.engine = engine
         self.worker_id = queue.consumer
@@ -52,15 +52,13 @@ class GroupServer:
         self.admission = admission
         self.stats = stats
         self.heartbeat = heartbeat
-        self.lease_s = lease_s
-        self.max_deliveries = max_deliveries
-        self.pinned = pinned
-        self._engine_slots = asyncio.Semaphore(max_inflight)
+        self.limits = limits
+        self._engine_slots = asyncio.Semaphore(limits.max_inflight)
         self._peers: tuple[float, set[int]] = (0.0, set())
 
     async def serve(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> None:
         """`item`: the decoded payload, or why it could not be decoded."""
-        if c.deliveries > self.max_deliveries:
+        if c.deliveries > self.limits.max_deliveries:
             why = c.last_error or "its lease lapsed each time (worker died or stalled)"
             return await self._fail(c, f"gave up after {c.deliveries - 1} deliveries; last error: {why}",
                                     dead=True)
@@ -155,7 +153,7 @@ class GroupServer:
         loaded = self.engine.version
         if in_window(item, loaded, loaded if newest is None else max(newest, loaded)):
             return Verdict(Decision.SERVE)
-        return decide(item, loaded=loaded, pinned=self.pinned, newest=newest,
+        return decide(item, loaded=loaded, pinned=self.limits.pinned, newest=newest,
                       pinned_elsewhere=await self._pinned_peers(), cannot_load=versions.cannot_load,
                       target=self.heartbeat.target)
 
@@ -189,7 +187,7 @@ class GroupServer:
         if not finishing:
             return
         calls = [(c, result.status, encode(result), dead_reason) for c, result, dead_reason in finishing]
-        give_up, backoff = time.monotonic() + self.lease_s, Backoff(0.1, 2.0)
+        give_up, backoff = time.monotonic() + self.limits.lease_s, Backoff(0.1, 2.0)
         c = finishing[0][0]
         while True:
             try:
