@@ -257,12 +257,11 @@ class Worker:
     def _at_once(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> bool:
         """May this group be served in one task with others of its claim? When the engine
         answers at once (`Engine.at_once`: it never suspends) and nothing before it may wait:
-        the gate is open, the loaded version serves it, and it is neither to be dead-lettered,
-        cancelled, nor past its deadline. Then a batch of groups is generated within one event
-        loop turn (no swap nor cancellation can come between), and finished with one call."""
-        return (isinstance(item, WorkItem) and self.admission.is_open
-                and c.deliveries <= self.limits.max_deliveries and job_state is not JobState.CANCELLED
-                and (not item.deadline or item.deadline > time.time())
+        the gate is open, the group may be served at all (`GroupServer.ending`: not to be
+        dead-lettered, cancelled, nor past its deadline) and the loaded version serves it. Then
+        a batch of groups is generated within one event loop turn (no swap nor cancellation can
+        come between), and finished with one call."""
+        return (self.admission.is_open and self.server.ending(c, item, job_state) is None
                 and self.server.serve_loaded(item) is not None)
 
     # --- one group ---------------------------------------------------------------------------

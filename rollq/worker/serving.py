@@ -56,22 +56,39 @@ class GroupServer:
         self._engine_slots = asyncio.Semaphore(limits.max_inflight)
         self._peers: tuple[float, set[int]] = (0.0, set())
 
-    async def serve(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> None:
-        """`item`: the decoded payload, or why it could not be decoded."""
+    def ending(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> tuple[str, str] | None:
+        """May this claimed group be served now? The one place that decides (the worker asks it
+        too, before batching groups): None if it may, else the (status, reason) it ends with
+        unserved: `dead` (delivered too often; an undecodable payload), `cancelled`, `expired`."""
         if c.deliveries > self.limits.max_deliveries:
             why = c.last_error or "its lease lapsed each time (worker died or stalled)"
-            return await self._fail(c, f"gave up after {c.deliveries - 1} deliveries; last error: {why}",
-                                    dead=True)
+            return "dead", f"gave up after {c.deliveries - 1} deliveries; last error: {why}"
         if isinstance(item, str):
-            header = peek_header(c.data) if c.data is not None else None
-            if header is not None and c.job_id is None:
-                c.job_id, c.group_index = header.job_id, header.group_index
-            return await self._fail(c, item, dead=True)
+            return "dead", item
+        if job_state is JobState.CANCELLED:
+            return "cancelled", ""
+        if item.deadline and item.deadline <= time.time():
+            return "expired", "deadline passed before generation"
+        return None
+
+    async def serve(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> None:
+        """`item`: the decoded payload, or why it could not be decoded."""
+        status, reason = self.ending(c, item, job_state) or ("", "")
+        if status == "dead":
+            if isinstance(item, str) and c.deliveries <= self.limits.max_deliveries:
+                header = peek_header(c.data) if c.data is not None else None
+                if header is not None and c.job_id is None:
+                    c.job_id, c.group_index = header.job_id, header.group_index
+            return await self._fail(c, reason, dead=True)
         c.job_id, c.group_index = item.job_id, item.group_index
         # Whose images it may read: the stream's trainer, never one the item names (a task each).
         SERVING_FOR.set(self.queue.keys.trainer_of(c.stream))
-        if job_state is JobState.CANCELLED:
+        if status == "cancelled":
             return await self.finish(c, cancelled(c, self.worker_id, prompt=item.prompt))
+        if status == "expired":
+            return await self.finish(c, GroupResult(status="expired", reason=reason, job_id=item.job_id,
+                                                    group_index=item.group_index, prompt=item.prompt,
+                                                    worker_id=self.worker_id))
         result = await self._generate(c.key, item)
         if result is None:  # another worker (or a later version) serves it
             await self.release_quietly([c], error="", refund=True)
@@ -93,8 +110,6 @@ class GroupServer:
         deadline = item.deadline - time.time() if item.deadline else None
         partial = dict(job_id=item.job_id, group_index=item.group_index, prompt=item.prompt,
                        worker_id=self.worker_id)
-        if deadline is not None and deadline <= 0:
-            return GroupResult(status="expired", reason="deadline passed before generation", **partial)
         started = time.time()
         try:
             # (no Timeout object without a deadline: it showed in the per-group profile)
