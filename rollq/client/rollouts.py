@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -30,7 +28,6 @@ from rollq.protocol import (
     InvalidInput,
     QueueFull,
     Sampling,
-    VersionEntry,
     as_sampling,
     WorkItem,
     check_id,
@@ -47,6 +44,7 @@ from rollq.protocol import (
 from rollq import conversations
 from rollq import images as imaging
 from rollq.client.episodes import Episodes
+from rollq.client.publishing import Publisher
 from rollq.conversations import Trajectory
 from rollq.queue import jobs
 from rollq.config import default_weight_store
@@ -55,11 +53,6 @@ from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
-from rollq.registry.adapters import is_adapter_dir
-from rollq.registry.commit import commit_version
-from rollq.registry.sources import adapter_of, gathered, is_sharded, named_tensors
-from rollq.registry.staging import Staging
-from rollq.registry.store import WeightStore, adapter_files, digest_dir
 from rollq.registry.versions import Registry
 
 
@@ -91,12 +84,6 @@ trainers (docs/reliability.md, "Delivery to trainers", says the same for HTTP):
 def check_ack(ack: str) -> None:
     if ack not in ("auto", "manual"):
         raise InvalidInput("ack", f"ack={ack!r} must be 'auto' or 'manual'")
-
-
-def _log_failed_publish(task: asyncio.Task) -> None:
-    """A background publish that failed is logged even if its caller never awaits its task."""
-    if not task.cancelled() and (error := task.exception()) is not None:
-        log.error("publish_weights (wait=False) failed: %s: %s", type(error).__name__, error)
 
 
 def group_prompts(prompts: Sequence[Prompt], n: int, repeated: bool) -> list[list[int] | str]:
@@ -168,10 +155,8 @@ class RolloutClient:
         self.registry = Registry(self.redis, self.keys, self.scripts)
         self.weight_store = weight_store or default_weight_store()
         self._reader = ResultReader(self.redis, self.scripts, self.keys, trainer_id, trainer_id)
-        self._publishing: asyncio.Task | None = None
-        """The last publish started: the next one registers after it (versions in order)."""
-        self._staging = Staging()
-        """Host buffers a published state_dict is copied into, kept for the next publishes."""
+        self._publisher = Publisher(self.redis, self.keys, self.registry, self.weight_store,
+                                    self.trainer_id)
         self._auto_unacked: list[str] = []
         """Handed out by reads with ack="auto": acknowledged by this client's next read."""
 
@@ -182,8 +167,7 @@ class RolloutClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._publishing is not None:  # a background publish finishes (or fails) first
-            await asyncio.wait([self._publishing])
+        await self._publisher.settle()  # a background publish finishes (or fails) first
         if self._owns_redis:
             await self.redis.aclose()
 
@@ -588,83 +572,8 @@ class RolloutClient:
         a directory PEFT's `save_pretrained` wrote; only `adapter_config.json` and
         `adapter_model.safetensors` are stored (always copied).
         """
-        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**62:
-            raise InvalidInput("version", f"version={version!r} must be an integer >= 0")
-        if adapter_on is not None:
-            await self._check_adapter_base(version, adapter_on, source)
-            if not isinstance(source, (str, os.PathLike)):
-                source = await asyncio.to_thread(adapter_of, source)
-        elif isinstance(source, (str, os.PathLike)) and is_adapter_dir(Path(source)):
-            raise InvalidInput("adapter_on", f"{source} is a LoRA adapter: publish it with "
-                                             "adapter_on=<the full version it applies on>")
-        elif not isinstance(source, (str, os.PathLike)):
-            if is_sharded(source):
-                source = await asyncio.to_thread(gathered, source)  # a collective: every rank
-                if source is None:  # not rank 0: rank 0 publishes
-                    return None
-            # The one copy the trainer waits for: its tensors into a staging buffer, laid out
-            # as the file; from here its optimizer may change them in place.
-            source = await asyncio.to_thread(self._pack, source)
-        task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy,
-                                                         keep, adapter_on))
-        self._publishing = task
-        if wait:
-            return await task
-        task.add_done_callback(_log_failed_publish)
-        return task
-
-    def _pack(self, source: Any):
-        return self._staging.pack(named_tensors(source))  # (a PEFT model is merged first)
-
-    async def _check_adapter_base(self, version: int, base: Any, source: Any) -> None:
-        if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < version:
-            raise InvalidInput("adapter_on", f"adapter_on={base!r} must be a full version below "
-                                             f"{version} (0: the model workers start with)")
-        if base > 0:
-            entry = await self.registry.get(base)
-            if entry is None or entry.kind != "full":
-                raise InvalidInput("adapter_on", f"adapter_on={base}: no full version {base} is "
-                                                 "registered (an adapter applies on full weights)")
-
-    async def _publish_in_turn(self, previous: asyncio.Task | None, version: int, source: Any,
-                               copy: bool, keep: int | None,
-                               adapter_on: int | None = None) -> VersionEntry:
-        if previous is not None:
-            await asyncio.wait([previous])  # its outcome is its own caller's to see
-        store = WeightStore(self.weight_store)
-        if adapter_on is None:
-            path, files, owned = await asyncio.to_thread(self._write_weights, store, version,
-                                                         source, copy)
-        else:
-            path, files = await asyncio.to_thread(self._write_adapter, store, version, source)
-            owned = True
-        entry = VersionEntry(version, str(path), files, sum(f.bytes for f in files), time.time(),
-                             self.trainer_id, owned, "full" if adapter_on is None else "adapter",
-                             adapter_on or 0)
-        await commit_version(self.redis, self.keys, store, entry, keep, self.registry)
-        return entry
-
-    def _write_weights(self, store: WeightStore, version: int, source: Any, copy: bool):
-        policy = self.keys.policy
-        if isinstance(source, (str, os.PathLike)):
-            source = Path(source).resolve()
-            if not source.is_dir():
-                raise InvalidInput("source", f"{source} is not a directory of safetensors files")
-            if not copy:
-                return source, digest_dir(source), False
-            return *store.copy_dir(policy, version, source), True
-        try:  # a packed checkpoint (staging.Image)
-            return *store.write_image(policy, version, source), True
-        finally:
-            self._staging.give(source.buffer)
-
-    def _write_adapter(self, store: WeightStore, version: int, source: Any):
-        if isinstance(source, tuple):  # (tensors, config) of a PEFT model, copied already
-            return store.write_adapter(self.keys.policy, version, *source)
-        source = Path(source).resolve()
-        if not source.is_dir():
-            raise InvalidInput("source", f"{source} is not an adapter directory")
-        return store.copy_dir(self.keys.policy, version, source, adapter_files)
+        return await self._publisher.publish(version, source, copy=copy, keep=keep, wait=wait,
+                                             adapter_on=adapter_on)
 
     async def latest_version(self) -> int | None:
         return await self.registry.latest()
