@@ -45,14 +45,15 @@ from common import machine, stop_process  # noqa: E402
 from dispatch import _at_least_members, _spawn, _wait  # noqa: E402
 from scale import fill  # noqa: E402
 
-from rollq.bench import results_dir  # noqa: E402
+from rollq.harness.bench import results_dir  # noqa: E402
 from rollq.client import RolloutClient  # noqa: E402
-from rollq.faults import RedisProcess  # noqa: E402
+from rollq.harness.faults import RedisProcess  # noqa: E402
 from rollq.engine.instant import InstantEngine  # noqa: E402
 from rollq.queue.connection import connect  # noqa: E402
 from rollq.queue.keys import Keys  # noqa: E402
 from rollq.queue.work import WorkQueue  # noqa: E402
 from rollq.worker.loop import Worker  # noqa: E402
+from rollq.worker.limits import Limits  # noqa: E402
 
 DURABLE = "?durable_replicas=1&durable_timeout_ms=2000"
 
@@ -107,7 +108,7 @@ async def per_group(cluster: ClusterProcesses, groups: int = 2000, per_job: int 
         used_queued = admin.info("memory")["used_memory"] - before["used_memory"]
         redis = connect(cluster.url)
         worker = Worker(WorkQueue(redis, Keys(policy), "w", job_ttl_s=600), InstantEngine(),
-                        max_inflight=64, lease_s=30, max_deliveries=3, grace_s=1, poll_s=0.1)
+                        Limits(max_inflight=64, lease_s=30, max_deliveries=3, grace_s=1, poll_s=0.1))
         task = asyncio.create_task(worker.run())
         got = await client.take(groups, timeout_s=600)
         await client.ack()  # take acknowledges at its next call: the whole life cycle needs it now

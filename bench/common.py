@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from rollq.bench import results_dir
+from rollq.harness.bench import results_dir
 from rollq.children import stop_child
 
 HERE = Path(__file__).resolve().parent

@@ -30,7 +30,7 @@ import redis.asyncio as redis_async
 from common import machine, stop_process, write_result
 
 from rollq.client import RolloutClient
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 from rollq.queue.keys import Keys
 
 HERE = Path(__file__).resolve().parent

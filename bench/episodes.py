@@ -36,9 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import make_llama, write_result  # noqa: E402
 
-from rollq.bench import episodes_table  # noqa: E402
+from rollq.harness.bench import episodes_table  # noqa: E402
 from rollq.client import RolloutClient  # noqa: E402
-from rollq.faults import RedisProcess  # noqa: E402
+from rollq.harness.faults import RedisProcess  # noqa: E402
 from rollq.queue.connection import connect  # noqa: E402
 from rollq.queue.keys import Keys  # noqa: E402
 from rollq.queue.work import WorkQueue  # noqa: E402
@@ -120,6 +120,7 @@ async def main(args) -> dict:
     from rollq.config import VLLMSettings
     from rollq.engine.vllm import VLLMEngine
     from rollq.worker.loop import Worker
+    from rollq.worker.limits import Limits
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_llama(Path(tmp) / "model", hidden=256, layers=2, vocab=VOCAB, intermediate=512)
@@ -135,8 +136,8 @@ async def main(args) -> dict:
                 r = connect(redis.url)
                 conns.append(r)
                 queue = WorkQueue(r, Keys("bench"), f"w{i}", job_ttl_s=600)
-                w = Worker(queue, engine, max_inflight=32, max_inflight_seqs=32, lease_s=30.0, poll_s=0.1,
-                           max_deliveries=3, grace_s=1.0)
+                w = Worker(queue, engine, Limits(max_inflight=32, max_inflight_seqs=32, lease_s=30.0,
+                                                 poll_s=0.1, max_deliveries=3, grace_s=1.0))
                 workers.append(w)
                 tasks.append(asyncio.create_task(w.run(None)))
             async with RolloutClient(redis.url, policy="bench", trainer_id="bench") as client:

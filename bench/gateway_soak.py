@@ -233,7 +233,7 @@ async def soak(url: str, port: int, policy: str, headers: dict, *, slow: int, bi
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rollq.faults import RedisProcess, free_port
+    from rollq.harness.faults import RedisProcess, free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisProcess(Path(tmp) / "redis", extra=["--appendfsync", "everysec"]).start()

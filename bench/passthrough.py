@@ -48,7 +48,7 @@ from common import HERE, cpu_seconds, make_llama, stop_process, write_result
 
 from rollq.client import RolloutClient
 from rollq.config import VLLMSettings
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 from rollq.queue.keys import Keys
 
 N, MAX_TOKENS, PROMPT_TOKENS = 8, 64, 32

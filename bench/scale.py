@@ -32,7 +32,7 @@ from common import write_result
 from dispatch import rollq_run, server_flush
 
 from rollq.client import RolloutClient
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 from rollq.protocol import GroupResult, derived_trainer_id, encode
 from rollq.queue.keys import Keys
 from rollq.queue.work import WorkQueue

@@ -5,7 +5,7 @@ same run against the same instant-engine worker process and a private redis-serv
     python bench/scoring.py [--groups 2000] [--n 4] [--processes 2]
 
 A ratio, not a target: the 2 cores are shared by the worker, the scorer, its children, Redis
-and this trainer. Not yet listed in `rollq bench` (rollq/bench.py is being moved).
+and this trainer. Not yet listed in `rollq bench` (rollq/harness/bench.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from common import write_result  # noqa: E402
 
 from rollq.children import stop_child  # noqa: E402
 from rollq.client import RolloutClient  # noqa: E402
-from rollq.faults import RedisProcess  # noqa: E402
+from rollq.harness.faults import RedisProcess  # noqa: E402
 from rollq.scoring.records import live_scorers  # noqa: E402
 
 REWARDS = str(Path(__file__).with_name("scoring_rewards.py"))

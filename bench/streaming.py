@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    from rollq.faults import RedisProcess, free_port
+    from rollq.harness.faults import RedisProcess, free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -18,7 +18,7 @@ from pathlib import Path
 from common import machine, write_result
 
 from rollq.client import RolloutClient
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 
 SIZES = (1, 64, 1024)
 PROMPT_TOKENS = 512

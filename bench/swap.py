@@ -53,7 +53,7 @@ from common import make_llama, stop_process, write_result
 from safetensors.torch import load_file
 
 from rollq.client import RolloutClient
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 from rollq.queue.keys import Keys
 from rollq.queue.workers import live_workers
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_grpo import BOS, VOCAB, GRPOTrainer, make_model  # noqa: E402,F401 (make_model: for callers)
 
 from rollq import RolloutClient  # noqa: E402
-from rollq.episodes import Episode  # noqa: E402
+from rollq.client.episodes import Episode  # noqa: E402
 
 TOOL, END = 3, 4
 """Tokens that frame the tool's output."""

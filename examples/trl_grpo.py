@@ -90,7 +90,7 @@ def train(model_dir: Path, out: Path, gateway_url: str, redis_url: str, policy: 
 @contextlib.contextmanager
 def local_pool(workdir: Path, model_dir: Path, policy: str):
     """A private redis-server, one `rollq worker` (vLLM, CPU) and a `rollq gateway --no-auth`."""
-    from rollq.demo import _port, gateway_process, private_redis, wait_for_worker, worker_process
+    from rollq.harness.demo import _port, gateway_process, private_redis, wait_for_worker, worker_process
 
     os.environ["ROLLQ_WEIGHT_STORE"] = str(workdir / "store")  # the worker's and the publisher's
     with (private_redis(workdir) as redis_url,

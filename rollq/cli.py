@@ -181,7 +181,7 @@ async def _run_worker(s: WorkerSettings, vllm_settings: VLLMSettings | None, red
         w, follower = build_worker(s, redis, engine, max_inflight_seqs=seq_budget,
                                    base_schema=base_schema, stats=stats)
         if s.pin_version is not None:
-            await load_pinned(w, w.registry, s.pin_version, base_schema)
+            await load_pinned(w.engine, w.registry, w.heartbeat, w.worker_id, s.pin_version, base_schema)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, w.stop)
@@ -323,11 +323,11 @@ def demo(steps: int | None, groups: int | None, n: int, staleness: int, out_dir:
          port: int, hold: bool, task: str) -> None:
     """Asynchronous GRPO on CPU: a synchronous and an asynchronous run, side by side
     (or, with --task tools, multi-turn tool-use episodes)."""
-    from rollq.demo import DemoSettings
-    from rollq.demo import demo as run_demo
+    from rollq.harness.demo import DemoSettings
+    from rollq.harness.demo import demo as run_demo
 
     if task == "tools":
-        from rollq.demo_tools import tools_demo
+        from rollq.harness.demo_tools import tools_demo
 
         asyncio.run(tools_demo(steps or 16, out_dir, redis_url, groups=groups or 8, n=n))
         return
@@ -342,7 +342,7 @@ def demo(steps: int | None, groups: int | None, n: int, staleness: int, out_dir:
 @click.argument("names", nargs=-1)
 def bench(names: tuple[str, ...]) -> None:
     """Run benchmarks (default: all) and write their tables into docs/benchmarks.md."""
-    from rollq import bench as benchmarks
+    from rollq.harness import bench as benchmarks
 
     benchmarks.run(list(names) or list(benchmarks.BENCHES))
     benchmarks.update_doc()
@@ -404,8 +404,8 @@ def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, se
     if weights and episodes:
         raise click.BadParameter("--weights and --episodes are two runs: give one")
     if episodes:
-        from rollq.chaos_episodes import EpisodeChaosSettings, chaos_episodes
-        from rollq.chaos_episodes import render as render_episodes
+        from rollq.harness.chaos.episodes import EpisodeChaosSettings, chaos_episodes
+        from rollq.harness.chaos.episodes import render as render_episodes
 
         if workdir is not None:
             Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -413,15 +413,15 @@ def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, se
             minutes=minutes, workers=workers, seed=seed, workdir=Path(workdir) if workdir else None)))
         render_episodes(summary)
     elif weights:
-        from rollq.chaos_weights import WeightChaosSettings, chaos_weights
-        from rollq.chaos_weights import render as render_weights
+        from rollq.harness.chaos.weights import WeightChaosSettings, chaos_weights
+        from rollq.harness.chaos.weights import render as render_weights
 
         summary = asyncio.run(chaos_weights(WeightChaosSettings(minutes=minutes, workers=workers,
                                                                 seed=seed)))
         render_weights(summary)
     else:
-        from rollq.chaos import ChaosSettings, render
-        from rollq.chaos import chaos as run_chaos
+        from rollq.harness.chaos.run import ChaosSettings, render
+        from rollq.harness.chaos.run import chaos as run_chaos
 
         summary = asyncio.run(run_chaos(ChaosSettings(minutes=minutes, workers=workers, seed=seed)))
         render(summary)

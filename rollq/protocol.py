@@ -1004,6 +1004,18 @@ def sampling_from_dict(values: dict[str, Any]) -> Sampling:
     return Sampling(**msgspec.structs.asdict(obj))
 
 
+def as_sampling(sampling: Sampling | dict[str, Any] | None) -> Sampling:
+    """What a caller may pass as `sampling` (a Sampling, a dict of settings or None: the
+    defaults) -> Sampling."""
+    if sampling is None:
+        return Sampling()
+    if isinstance(sampling, Sampling):
+        return sampling
+    if not isinstance(sampling, dict):
+        raise InvalidInput("sampling", f"must be a Sampling or a dict, got {type(sampling).__name__}")
+    return sampling_from_dict(sampling)
+
+
 def encode_meta(meta: dict[str, Any] | None) -> bytes:
     data = encode(meta or {})
     if len(data) > MAX_META_BYTES:

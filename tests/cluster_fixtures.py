@@ -1,6 +1,6 @@
 """A real 3-primary / 3-replica Redis Cluster on free loopback ports, for tests/test_cluster.py.
 
-Each node is a `rollq.faults.RedisProcess` (AOF fsynced on every write, SIGKILL and restart on
+Each node is a `rollq.harness.faults.RedisProcess` (AOF fsynced on every write, SIGKILL and restart on
 the same port and directory), started with cluster mode on; `redis-cli --cluster create` joins
 them. A short node timeout makes a killed primary's replica take over within a few seconds.
 """
@@ -24,7 +24,7 @@ import redis as redis_sync
 from redis.cluster import key_slot
 
 from rollq.client import RolloutClient
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 from rollq.queue.keys import Keys
 from rollq.queue.workers import live_workers
 

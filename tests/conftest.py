@@ -17,7 +17,7 @@ import redis as redis_sync
 
 from rollq.client import RolloutClient
 from rollq.engine.instant import InstantEngine
-from rollq.faults import RedisProcess, reserved_port  # noqa: F401 (tests import it from here)
+from rollq.harness.faults import RedisProcess, reserved_port  # noqa: F401 (tests import it from here)
 from rollq.config import WorkerSettings
 from rollq.queue.connection import connect
 from rollq.worker.build import build_worker

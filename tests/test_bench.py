@@ -3,11 +3,10 @@ with their targets. No speed is asserted here (numbers belong in docs/benchmarks
 
 import subprocess
 import sys
-from pathlib import Path
 
-from rollq import bench
+from rollq.harness import bench
 
-ROOT = Path(bench.__file__).resolve().parent.parent
+ROOT = bench.ROOT
 
 
 def test_quick_benchmarks_run_and_render_with_targets(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """The checker of `rollq chaos --episodes` finds each kind of fault it counts: journals and records
 built here by hand (a clean episode, then the same with one fault each)."""
 
-from rollq.chaos_episode_check import check
+from rollq.harness.chaos.episode_check import check
 from rollq.engine.instant import expected_tokens
 from rollq.protocol import pack_tokens
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 from models import greedy, load_reference, make_chat_model, token_logprobs
 
-from rollq.faults import free_port
+from rollq.harness.faults import free_port
 from rollq.protocol import Sampling
 from rollq.worker.pool import reap_group
 

@@ -38,6 +38,7 @@ from rollq.queue.work import WorkQueue
 from rollq.security import trainer_acl
 from rollq.status import policies, policy_status
 from rollq.worker.loop import Worker
+from rollq.worker.limits import Limits
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +299,7 @@ async def test_a_failover_under_a_group_is_a_warning_not_a_traceback(cluster, ma
     r = connect(cluster.url, retries=0)
     engine = GatedEngine()
     worker = Worker(WorkQueue(r, Keys(policy), "w1", job_ttl_s=600), engine,
-                    max_inflight=4, lease_s=1.0, max_deliveries=5, grace_s=1.0, poll_s=0.1)
+                    Limits(max_inflight=4, lease_s=1.0, max_deliveries=5, grace_s=1.0, poll_s=0.1))
     task = asyncio.create_task(worker.run())
 
     def handed_back() -> bool:

@@ -19,6 +19,7 @@ from rollq.queue.names import Group
 from rollq.queue.results import ResultReader
 from rollq.queue.work import WorkQueue
 from rollq.worker.loop import Worker
+from rollq.worker.limits import Limits
 
 
 @contextlib.contextmanager
@@ -29,7 +30,7 @@ def _worker_thread(redis_url: str, policy: str):
     async def run():
         redis = connect(redis_url)
         worker = Worker(WorkQueue(redis, Keys(policy), "sync-w", job_ttl_s=60), InstantEngine(),
-                        max_inflight=4, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1)
+                        Limits(max_inflight=4, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1))
         task = asyncio.create_task(worker.run())
         while not stop.is_set():
             await asyncio.sleep(0.05)

@@ -7,8 +7,8 @@ import socket
 import subprocess
 import sys
 
-from rollq.demo import _port
-from rollq.faults import reserved_port
+from rollq.harness.demo import _port
+from rollq.harness.faults import reserved_port
 
 
 def test_gateway_port_probe_takes_a_reserved_port_and_skips_a_listening_one():

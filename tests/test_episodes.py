@@ -9,7 +9,7 @@ import pytest
 from helpers import drop_a_reply, wait_until
 
 from rollq.engine.instant import FAIL_TOKEN, expected_tokens
-from rollq.episodes import EpisodeError
+from rollq.client.episodes import EpisodeError
 from rollq.engine.instant import InstantEngine
 from rollq.protocol import InvalidInput, VersionEntry, pack_tokens
 from rollq.queue import jobs

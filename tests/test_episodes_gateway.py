@@ -16,7 +16,7 @@ import aiohttp
 from gateway_fixtures import write_tokens
 from helpers import wait_until
 
-from rollq.faults import reserved_port
+from rollq.harness.faults import reserved_port
 from rollq.queue import jobs
 from rollq.queue.keys import Keys
 from rollq.queue.names import EpisodeField, EpisodeState

@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 
 from rollq.engine.instant import expected_tokens
-from rollq.episodes import chat_continuation
+from rollq.client.episodes import chat_continuation
 from rollq.protocol import pack_tokens
 
 SAMPLING = {"max_tokens": 4}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import wait_until
 
-from rollq.episodes import EpisodeError
+from rollq.client.episodes import EpisodeError
 from rollq.queue import jobs
 from rollq.queue.names import EpisodeState
 
@@ -143,7 +143,7 @@ async def test_a_turn_takes_its_window_from_the_script_that_begins_it(make_clien
     client = make_client()
     episodes = client.episodes()
     start = asyncio.create_task(episodes.start([1, 2], sampling=SAMPLING, episode_id="w"))
-    await wait_until(lambda: episodes.client.redis.exists(episodes._key("w.0")), what="the record")
+    await wait_until(lambda: episodes.redis.exists(episodes._key("w.0")), what="the record")
     begin, windows = client.scripts.episode_turn, []
 
     async def after_the_start(*args, **kwargs):

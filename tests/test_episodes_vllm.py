@@ -10,7 +10,7 @@ from itertools import groupby
 import pytest
 from models import greedy, make_chat_model, token_logprobs
 
-from rollq.episodes import EpisodeError, chat_continuation
+from rollq.client.episodes import EpisodeError, chat_continuation
 
 # The fixtures come from swap_fixtures (imported: tests/conftest.py is not ours to grow).
 from swap_fixtures import engine_v1, follower, publisher, swap_engine, versions  # noqa: F401

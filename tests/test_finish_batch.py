@@ -12,6 +12,7 @@ from rollq.queue.keys import Keys
 from rollq.queue.names import Group, JobState
 from rollq.queue.work import WorkQueue
 from rollq.worker.loop import Worker
+from rollq.worker.limits import Limits
 
 
 async def _calls(redis, command: str) -> int:
@@ -204,7 +205,8 @@ async def test_an_engine_that_answers_at_once_claims_half_its_slots_at_a_time(re
     queue = WorkQueue(redis, Keys(policy), "w1", job_ttl_s=600)
 
     def worker(engine: InstantEngine) -> Worker:
-        return Worker(queue, engine, max_inflight=8, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1)
+        return Worker(queue, engine,
+                      Limits(max_inflight=8, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1))
 
     assert worker(InstantEngine())._free_slots() == 4
     assert worker(InstantEngine(delay_s=0.01))._free_slots() == 8

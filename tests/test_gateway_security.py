@@ -252,7 +252,7 @@ async def test_a_request_while_redis_is_unreachable_is_a_503_without_a_traceback
                                                                                tmp_path, caplog):
     """Redis down (restarting, a network fault) is neither the caller's fault nor the gateway's: a
     503 with Retry-After, which clients retry, and one warning line, not a 500 with a traceback."""
-    from rollq.faults import RedisProcess
+    from rollq.harness.faults import RedisProcess
 
     redis = RedisProcess(tmp_path / "redis", aof=False).start()
     try:

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from rollq.gateway.completions import CompletionRequest, sampling_of
 from rollq.protocol import InvalidInput, Sampling, WorkItem, decode_item, encode, sampling_from_dict
 from rollq.registry.safetensors_check import WeightError
-from rollq.worker.swap import check_finite
+from rollq.registry.snapshots import check_finite
 from rollq.engine.vllm import VLLMEngine
 from rollq.worker.windows import interruptible, keepable
 

@@ -8,7 +8,7 @@ import socket
 import pytest
 import redis as redis_sync
 
-from rollq.faults import RedisProcess, reserved_port
+from rollq.harness.faults import RedisProcess, reserved_port
 
 BINDS = 1000
 """Port-0 binds held open at once: a few percent of the ephemeral range, without exhausting it

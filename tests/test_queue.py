@@ -293,11 +293,12 @@ def test_sync_client_for_trainers_that_are_not_async(redis_url, policy):
         from rollq.queue.connection import connect
         from rollq.queue.keys import Keys
         from rollq.worker.loop import Worker
+        from rollq.worker.limits import Limits
 
         async def run() -> None:
             redis = connect(redis_url)
             worker = Worker(WorkQueue(redis, Keys(policy), "sync-w", job_ttl_s=60), InstantEngine(),
-                            max_inflight=4, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1)
+                            Limits(max_inflight=4, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1))
             task = asyncio.create_task(worker.run())
             while not stop.is_set():
                 await asyncio.sleep(0.05)

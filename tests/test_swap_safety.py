@@ -13,6 +13,7 @@ import torch
 from helpers import collect, drop_a_reply, wait_until
 from safetensors.torch import save_file
 
+import rollq.registry.snapshots as snapshots_module
 import rollq.worker.swap as swap_module
 from rollq.engine.instant import InstantEngine
 from rollq.engine.vllm import VLLMEngine
@@ -320,7 +321,7 @@ def test_snapshot_copy_refuses_a_link_or_fifo_put_in_place_after_the_checks(tmp_
         os.mkfifo(source)
     expected = FileDigest("model.safetensors", "0" * 64, real.stat().st_size)
     with pytest.raises(WeightError, match="model.safetensors: is (a symbolic link|not a regular file)"):
-        swap_module._copy_checked(source, tmp_path / "copy.safetensors", expected)
+        snapshots_module._copy_checked(source, tmp_path / "copy.safetensors", expected)
 
 
 def test_groups_with_images_are_drained_not_cut():

@@ -27,7 +27,7 @@ log = logging.getLogger("rollq.engine.chat")
 
 CONTINUATION_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
 """A conversation that new messages of a turn follow (they come after the policy's reply):
-`rollq.episodes.chat_continuation` and `ChatRenderer.exact` render new messages after it."""
+`rollq.client.episodes.chat_continuation` and `ChatRenderer.exact` render new messages after it."""
 
 
 class ChatRenderer:
@@ -84,7 +84,7 @@ class ChatRenderer:
         the template's continuation of the messages after `prefix_messages`; and whether
         `engine_input` (the whole conversation rendered from text, as vLLM would) differs from it.
 
-        The continuation is `rollq.episodes.chat_continuation`'s, rendered here by vLLM's renderer
+        The continuation is `rollq.client.episodes.chat_continuation`'s, rendered here by vLLM's renderer
         with the conversation's own tools, template and kwargs: `render(BASE + new) - render(BASE)`.
         When the prefix already ends with the token the continuation starts with (a sample that
         stopped on the template's end-of-turn token), that token is not repeated."""

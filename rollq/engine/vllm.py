@@ -494,7 +494,7 @@ class VLLMEngine:
         that passes but whose probe is not finite has let the frozen requests sample on those
         weights, so the engine gives up (dead; the worker hands the groups it holds back,
         counted, and exits). The worker refuses non-finite weights before a keep swap
-        (`worker/swap.py: check_finite`), so this takes finite weights giving non-finite
+        (`registry/snapshots.py: check_finite`), so this takes finite weights giving non-finite
         logits; a frozen request that finished before the probe answered (with every sequence
         slot taken, the probe waits for one) has then had its result written."""
         llm = self.llm

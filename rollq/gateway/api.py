@@ -28,13 +28,13 @@ from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, 
 from rollq.gateway.state import GATEWAY, Gateway
 from rollq.gateway.streaming import completion_chunks, respond
 from rollq.images import from_data_url
-from rollq.protocol import GroupResult, VersionEntry
+from rollq.protocol import GroupResult
 from rollq.queue import jobs
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.workers import live_workers, max_model_len
-from rollq.registry.commit import commit_version
+from rollq.registry.commit import commit_files
 from rollq.registry.safetensors_check import WeightError
 from rollq.registry.store import WeightStore
 from rollq.registry.versions import Registry, VersionConflict
@@ -286,10 +286,9 @@ async def publish_version(request: web.Request) -> web.Response:
         raise ApiError(400, f"{path}: {e}", "path") from None
     except BrokenProcessPool:
         raise ApiError(503, "the publish's helper process died (out of memory?); retry") from None
-    entry = VersionEntry(body.version, str(where), files, sum(f.bytes for f in files), time.time(),
-                         who.trainer, body.copy)
     try:
-        await commit_version(gw.redis, Keys(policy), store, entry, body.keep)
+        entry = await commit_files(gw.redis, Keys(policy), store, body.version, where, files, body.copy,
+                                   publisher=who.trainer, keep=body.keep)
     except VersionConflict as e:
         raise ApiError(409, str(e), "version") from None
     return reply(request, version_view(entry), status=201)

@@ -1,9 +1,9 @@
-"""HTTP episodes: `/v1/policies/{policy}/episodes/...`, the same `rollq.episodes.Episodes` the
+"""HTTP episodes: `/v1/policies/{policy}/episodes/...`, the same `rollq.client.episodes.Episodes` the
 Python client uses, one per (policy, trainer) in this gateway.
 
 A turn sends `tokens` (ids to append) or `messages` (a tool's output, a user message), which
 need the gateway's `--tokenizer`: they become the template's continuation after the last reply
-(`rollq.episodes.chat_continuation`), never a re-rendering of earlier turns. The first turn's
+(`rollq.client.episodes.chat_continuation`), never a re-rendering of earlier turns. The first turn's
 `messages` are rendered whole (with the generation prompt).
 
 Each Episodes here has the owner `--gateway-id`, and holds it (one live reader per owner): a
@@ -26,7 +26,7 @@ from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rollq.episodes import Episode, EpisodeError, Episodes, Turn
+from rollq.client.episodes import Episode, EpisodeError, Episodes, Turn
 from rollq.gateway.api import _context
 from rollq.gateway.http import ApiError, read_body, reply
 from rollq.gateway.state import GATEWAY, Gateway
@@ -133,7 +133,7 @@ def _made(app: web.Application, gw: Gateway, policy: str, trainer: str) -> Episo
     made = app[EPISODES]
     key = (policy, trainer)
     if key not in made:
-        made[key] = Episodes(gw.client(policy, trainer), owner=gw.settings.gateway_id)
+        made[key] = gw.client(policy, trainer).episodes(owner=gw.settings.gateway_id)
         asyncio.get_running_loop().create_task(_opened(made[key]), name="episodes-open")
     return made[key]
 

@@ -153,7 +153,7 @@ def _start_helper(tokenizer_dir: str, fast: bool) -> None:
     _tokenizer.encode("warm up")
     if getattr(_tokenizer, "chat_template", None):
         _tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}], tokenize=True)
-    import rollq.episodes  # noqa: F401
+    import rollq.client.episodes  # noqa: F401
     with open("/proc/self/statm") as f:
         held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     limit = held + RENDER_MEMORY_BYTES
@@ -164,7 +164,7 @@ def _start_helper(tokenizer_dir: str, fast: bool) -> None:
 def _render(kind: str, args: tuple) -> tuple[str, Any]:
     """In a helper: ("", token ids (or a decode's text, or a tokenize's [ids, token strings])),
     or (the refusal's message, [])."""
-    from rollq.episodes import chat_continuation  # imported by _start_helper
+    from rollq.client.episodes import chat_continuation  # imported by _start_helper
 
     signal.setitimer(signal.ITIMER_REAL, RENDER_TIMEOUT_S)
     try:

@@ -14,6 +14,8 @@ acknowledged; see docs/reliability.md. Other query parameters go to redis-py.
 
 from __future__ import annotations
 
+import asyncio
+import random
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode
 
@@ -27,6 +29,27 @@ from redis.exceptions import (ClusterError, ConnectionError, NoScriptError, Redi
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+class Backoff:
+    """Exponential backoff with jitter (saq's), for every retry and poll rollq writes itself: each
+    wait is the current delay times a factor in [0.5, 1.5), so processes that lost Redis together
+    do not all come back at once; the delay then doubles, up to `cap`. `reset()` after a success."""
+
+    def __init__(self, first: float, cap: float):
+        self.first, self.cap, self.delay = first, cap, first
+
+    def next(self) -> float:
+        """How long to wait now (jittered); the delay doubles for the wait after."""
+        wait = self.delay * (0.5 + random.random())
+        self.delay = min(self.delay * 2, self.cap)
+        return wait
+
+    async def sleep(self) -> None:
+        await asyncio.sleep(self.next())
+
+    def reset(self) -> None:
+        self.delay = self.first
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ class EpisodeState(StrEnum):
 
 
 class EpisodeField(StrEnum):
-    """Fields of an episode record (a hash; `rollq/episodes.py`)."""
+    """Fields of an episode record (a hash; `rollq/client/episodes.py`)."""
 
     TRAINER = "trainer"
     STATE = "state"

@@ -1,13 +1,15 @@
-"""The last step of every publish, the client's and the gateway's: register a version whose
-files are written and hashed, then apply the publisher's `keep`."""
+"""The last steps of every publish, the client's and the gateway's: the registry entry of files
+written and hashed (`commit_files`), registered, then the publisher's `keep` applied."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
 from redis.asyncio import Redis
 
-from rollq.protocol import VersionEntry
+from rollq.protocol import FileDigest, VersionEntry
 from rollq.queue.keys import Keys
 from rollq.registry.retention import retain
 from rollq.registry.store import WeightStore
@@ -26,3 +28,15 @@ async def commit_version(redis: Redis, keys: Keys, store: WeightStore, entry: Ve
         raise
     if keep is not None:
         await retain(redis, keys, store, keep)
+
+
+async def commit_files(redis: Redis, keys: Keys, store: WeightStore, version: int, path: str | Path,
+                       files: list[FileDigest], owned: bool, *, publisher: str, keep: int | None,
+                       registry: Registry | None = None, adapter_on: int | None = None) -> VersionEntry:
+    """Commit `version` from its files at `path`, written and hashed (`owned`: a copy in the
+    store, deleted if the version is refused; else the publisher's, registered by reference).
+    `adapter_on`: an adapter version on that full version. Returns the entry registered."""
+    entry = VersionEntry(version, str(path), files, sum(f.bytes for f in files), time.time(), publisher,
+                         owned, "full" if adapter_on is None else "adapter", adapter_on or 0)
+    await commit_version(redis, keys, store, entry, keep, registry)
+    return entry

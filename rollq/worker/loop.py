@@ -22,12 +22,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rollq.engine.base import Engine, EngineDead
 from rollq.images import ImageLoader
 from rollq.protocol import GroupResult, WorkItem
-from rollq.queue.connection import unreachable
+from rollq.queue.connection import Backoff, unreachable
 from rollq.queue.names import JobState
 from rollq.queue.work import Claimed, WorkQueue
 from rollq.registry.versions import Registry
 from rollq.worker.admission import Admission
 from rollq.worker.heartbeat import Heartbeat
+from rollq.worker.limits import Limits
 from rollq.worker.resident import ResidentAdapters
 from rollq.worker.stats import WorkerStats
 from rollq.worker.versions import VersionState
@@ -54,41 +55,29 @@ class Worker:
         self,
         queue: WorkQueue,
         engine: Engine,
+        limits: Limits,
         *,
-        max_inflight: int,
-        lease_s: float,
-        max_deliveries: int,
-        grace_s: float,
-        poll_s: float,
-        max_inflight_seqs: int | None = None,
-        pinned: bool = False,
         stats: WorkerStats | None = None,
         versions: VersionState | None = None,
     ):
-        """`stats`: made before the worker, e.g. to serve its /metrics before the engine starts.
+        """`limits`: its knobs, shared with its group server.
+        `stats`: made before the worker, e.g. to serve its /metrics before the engine starts.
         `versions`: the version state its VersionFollower writes (default: a worker that never
         swaps, e.g. a pinned one)."""
         self.queue = queue
         self.engine = engine
         self.worker_id = queue.consumer
-        self.max_inflight = max_inflight
-        self.lease_s = lease_s
-        self.max_deliveries = max_deliveries
-        self.grace_s = grace_s
-        self.poll_s = poll_s
-        self.max_inflight_seqs = max_inflight_seqs
+        self.limits = limits
         self._typical_n: int | None = None
-        self.pinned = pinned
         if getattr(engine, "images", None) is not None:  # engines that take images read them here
             engine.images.loader = ImageLoader(queue.redis, queue.keys)
-        self.heartbeat = Heartbeat(queue.redis, queue.keys, self.worker_id, ttl_s=3 * lease_s)
+        self.heartbeat = Heartbeat(queue.redis, queue.keys, self.worker_id, ttl_s=3 * limits.lease_s)
         self.registry = Registry(queue.redis, queue.keys, queue.scripts)
         self.admission = Admission()
         self.stats = stats or WorkerStats(queue.keys.policy)
         self.versions = versions or VersionState(self.registry)
         self.server = GroupServer(queue, engine, versions=self.versions, admission=self.admission,
-                                  stats=self.stats, heartbeat=self.heartbeat, max_inflight=max_inflight,
-                                  lease_s=lease_s, max_deliveries=max_deliveries, pinned=pinned)
+                                  stats=self.stats, heartbeat=self.heartbeat, limits=limits)
         self._redis_error, self._redis_error_at = "", 0.0
         self._held: dict[tuple[str, str], _Held] = {}
         self._slot_freed = asyncio.Event()
@@ -137,7 +126,7 @@ class Worker:
         `follower`: a VersionFollower that swaps the engine as new versions are published.
         """
         log.info("worker %s serving policy %r with version %d%s", self.worker_id,
-                 self.queue.keys.policy, self.engine.version, " (pinned)" if self.pinned else "")
+                 self.queue.keys.policy, self.engine.version, " (pinned)" if self.limits.pinned else "")
         renewing = asyncio.create_task(self._renew_loop(), name="renew")
         following = [asyncio.create_task(follower.run(), name="follow-versions")] if follower else []
         try:
@@ -150,7 +139,7 @@ class Worker:
             self._stopping.set()
             await self._release_held()
             if following:  # it ends by itself within poll_s (see VersionFollower.run)
-                await asyncio.wait(following, timeout=self.poll_s + 2)
+                await asyncio.wait(following, timeout=self.limits.poll_s + 2)
             background = [renewing, *following]
             for task in background:
                 task.cancel()
@@ -170,17 +159,16 @@ class Worker:
 
     async def _feed_loop(self) -> None:
         """Claim while there is room; a Redis outage pauses claiming (with backoff), never ends it."""
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while not self._stopping.is_set():
             try:
                 if not await self._feed_once():
                     break
-                delay = 0.1
+                backoff.reset()
             except (RedisConnectionError, RedisTimeoutError) as e:
                 self._redis_error, self._redis_error_at = f"redis unreachable: {e}", time.monotonic()
-                log.warning("redis unreachable (%s); claiming again in %.1f s", e, delay)
-                await _first(self._stopping.wait(), timeout=delay * (0.5 + random.random()))
-                delay = min(delay * 2, 5.0)
+                log.warning("redis unreachable (%s); claiming again in %.1f s", e, backoff.delay)
+                await _first(self._stopping.wait(), timeout=backoff.next())
 
     async def _feed_once(self) -> bool:
         """One round of claiming; False when the worker must stop."""
@@ -192,24 +180,24 @@ class Worker:
         if free <= 0:
             self._slot_freed.clear()
             # Bounded: a missed wake-up must cost a poll, never the worker.
-            await _first(self._slot_freed.wait(), self._stopping.wait(), timeout=max(self.poll_s, 1.0))
+            await _first(self._slot_freed.wait(), self._stopping.wait(), timeout=max(self.limits.poll_s, 1.0))
             return True
         now = time.monotonic()
         if now >= self._next_refresh or self.queue.stale:
             self._streams = await self.queue.streams()
-            self._next_refresh = now + min(self.poll_s, STREAMS_REFRESH_S)
+            self._next_refresh = now + min(self.limits.poll_s, STREAMS_REFRESH_S)
         if not self._streams:
-            await _first(self._stopping.wait(), timeout=min(self.poll_s, STREAMS_REFRESH_S))
+            await _first(self._stopping.wait(), timeout=min(self.limits.poll_s, STREAMS_REFRESH_S))
             return True
         claimed: list[Claimed] = []
         if now >= self._next_reclaim:
-            claimed = await self.queue.reclaim(self._streams, int(self.lease_s * 1000), free)
+            claimed = await self.queue.reclaim(self._streams, int(self.limits.lease_s * 1000), free)
             self.stats.reclaimed(len(claimed))
             # Jittered: workers started together with one lease reclaimed in lockstep, and one
             # that cannot serve a group (a pinned worker, another version) took it back before
             # the worker that could every time, releasing it again: it waited 5 minutes.
-            self._next_reclaim = now + min(self.lease_s / 2, 5.0) * random.uniform(0.5, 1.0)
-        block_ms = 0 if claimed else int(min(self.poll_s, STREAMS_REFRESH_S) * 1000)
+            self._next_reclaim = now + min(self.limits.lease_s / 2, 5.0) * random.uniform(0.5, 1.0)
+        block_ms = 0 if claimed else int(min(self.limits.poll_s, STREAMS_REFRESH_S) * 1000)
         claimed += await self.queue.claim(self._streams, free - len(claimed), block_ms)
         if self._stopping.is_set() and claimed:
             await self.queue.release(claimed)
@@ -229,12 +217,12 @@ class Worker:
         results are written while the other half is claimed and generated (no-op groups: +27 %
         groups/s for one worker draining a queue, +14 % in bench/dispatch.py).
         """
-        free = self.max_inflight - len(self._held)
+        free = self.limits.max_inflight - len(self._held)
         if self.engine.at_once:
-            free = min(free, max(1, self.max_inflight // 2))
-        if self.max_inflight_seqs is None:
+            free = min(free, max(1, self.limits.max_inflight // 2))
+        if self.limits.max_inflight_seqs is None:
             return free
-        room = self.max_inflight_seqs - sum(h.claimed.n for h in self._held.values())
+        room = self.limits.max_inflight_seqs - sum(h.claimed.n for h in self._held.values())
         if room <= 0:
             return 0
         if self._typical_n is None:  # nothing seen yet: one group, then size by its n
@@ -270,12 +258,11 @@ class Worker:
     def _at_once(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> bool:
         """May this group be served in one task with others of its claim? When the engine
         answers at once (`Engine.at_once`: it never suspends) and nothing before it may wait:
-        the gate is open, the loaded version serves it, and it is neither to be dead-lettered,
-        cancelled, nor past its deadline. Then a batch of groups is generated within one event
-        loop turn (no swap nor cancellation can come between), and finished with one call."""
-        return (isinstance(item, WorkItem) and self.admission.is_open
-                and c.deliveries <= self.max_deliveries and job_state is not JobState.CANCELLED
-                and (not item.deadline or item.deadline > time.time())
+        the gate is open, the group may be served at all (`GroupServer.ending`: not to be
+        dead-lettered, cancelled, nor past its deadline) and the loaded version serves it. Then
+        a batch of groups is generated within one event loop turn (no swap nor cancellation can
+        come between), and finished with one call."""
+        return (self.admission.is_open and self.server.ending(c, item, job_state) is None
                 and self.server.serve_loaded(item) is not None)
 
     # --- one group ---------------------------------------------------------------------------
@@ -352,7 +339,7 @@ class Worker:
 
     async def _renew_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.lease_s / 3)
+            await asyncio.sleep(self.limits.lease_s / 3)
             try:
                 await self._renew_once()
                 await self._beat()
@@ -363,8 +350,8 @@ class Worker:
         self.stats.inflight.set(len(self._held))
         self.stats.version.set(self.engine.version)
         await self.heartbeat.beat(version=self.engine.version, inflight=len(self._held),
-                                  state=self.state, last_error=self.last_error, pinned=self.pinned,
-                                  totals=self.stats.totals, capacity=self.max_inflight,
+                                  state=self.state, last_error=self.last_error, pinned=self.limits.pinned,
+                                  totals=self.stats.totals, capacity=self.limits.max_inflight,
                                   max_model_len=getattr(self.engine, "max_model_len", None))
 
     async def _renew_once(self) -> None:
@@ -401,7 +388,7 @@ class Worker:
         """Entries delivered to this worker by a read whose reply was lost go back, refunded,
         before their lease lapses: a takeover would count a delivery that never happened.
         Half a lease idle: held entries are renewed every third of one."""
-        orphans = await self.queue.unheld(self._streams, set(self._held), int(self.lease_s * 500))
+        orphans = await self.queue.unheld(self._streams, set(self._held), int(self.limits.lease_s * 500))
         if orphans:
             n = await self.queue.release(orphans, refund=True)
             log.warning("handed back %d groups delivered to this worker by a lost read reply", n)
@@ -409,8 +396,8 @@ class Worker:
     async def _drain(self) -> None:
         running = [h.task for h in self._held.values() if not h.task.done()]
         if running and not self._hurry.is_set():
-            log.info("stopping: waiting up to %.0f s for %d groups", self.grace_s, len(running))
-            await _first(asyncio.wait(running), self._hurry.wait(), timeout=self.grace_s)
+            log.info("stopping: waiting up to %.0f s for %d groups", self.limits.grace_s, len(running))
+            await _first(asyncio.wait(running), self._hurry.wait(), timeout=self.limits.grace_s)
 
     async def _release_held(self) -> None:
         left = list(self._held.values())

@@ -12,7 +12,7 @@ reason; a group that only refused adapters could serve fails with that reason.
 At most `max_loras` adapters stay loaded (least recently used go first, never one a running
 group uses); an adapter retention deregistered is unloaded once no group uses it, and a swap of
 the full weights unloads them all (they applied on the old weights). Groups served by an adapter
-are drained before such a swap (see `swap_to`), so no adapter ever runs on other weights.
+are drained before such a swap (see `VersionFollower.swap_to`), so no adapter ever runs on other weights.
 """
 
 from __future__ import annotations
@@ -21,35 +21,39 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter, OrderedDict
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
 from rollq.protocol import VersionEntry, WorkItem
-from rollq.registry.adapters import check_adapter
 from rollq.registry.safetensors_check import Schema
+from rollq.registry.snapshots import Snapshots, check_adapter_version
 from rollq.registry.versions import Registry
 from rollq.worker.windows import Decision, Verdict, in_window
 
 if TYPE_CHECKING:
-    from rollq.engine.base import Generated
+    from rollq.engine.base import Engine, Generated
     from rollq.engine.vllm import Adapter
-    from rollq.worker.loop import Worker
-    from rollq.worker.swap import Snapshots
+    from rollq.worker.heartbeat import Heartbeat
+    from rollq.worker.versions import VersionState
 
 log = logging.getLogger("rollq.worker")
 
 
 class ResidentAdapters:
-    def __init__(self, worker: Worker, registry: Registry, snapshots: Snapshots,
-                 base_schema: Schema | None):
-        self.worker = worker
+    def __init__(self, engine: Engine, registry: Registry, snapshots: Snapshots,
+                 base_schema: Schema | None, *, worker_id: str, heartbeat: Heartbeat,
+                 versions: VersionState):
+        """`heartbeat`: shows the adapters pinned while they load; `versions`: told of refusals."""
+        self.engine = engine
         self.registry = registry
         self.snapshots = snapshots
         self.base_schema = base_schema
-        self.capacity = worker.engine.max_loras
-        self.max_rank = worker.engine.max_lora_rank
+        self.worker_id = worker_id
+        self.heartbeat = heartbeat
+        self.versions = versions
+        self.capacity = engine.max_loras
+        self.max_rank = engine.max_lora_rank
         self.entries: dict[int, VersionEntry] = {}
         """Registered adapter versions, as last read."""
         self.full: set[int] = set()
@@ -82,7 +86,7 @@ class ResidentAdapters:
         this worker refused could serve the window; None: the full version's rules decide."""
         if newest is not None and newest != self.read_at:
             await self.refresh(newest)
-        engine = self.worker.engine
+        engine = self.engine
         base = engine.version
         top = max(newest or 0, base)
         candidates = sorted((v for v, e in self.entries.items() if e.base == base
@@ -104,7 +108,7 @@ class ResidentAdapters:
     async def generate(self, item: WorkItem, version: int) -> Generated:
         """Generate a group `decide` chose `version` for (and holds: this releases it)."""
         try:
-            return await self.worker.engine.generate_group(item, self.loaded[version])
+            return await self.engine.generate_group(item, self.loaded[version])
         finally:
             self.release(item, version)
             await self._evict()
@@ -129,19 +133,19 @@ class ResidentAdapters:
     async def _load(self, entry: VersionEntry) -> bool:
         from rollq.engine.vllm import Adapter
 
-        version, worker = entry.version, self.worker
+        version = entry.version
         # Pinned while its files are copied: retention cannot delete them under the copy. The
         # private snapshot is what the engine reads, so the pin goes once it is loaded.
-        if await self.registry.pin(version, worker.worker_id, worker.heartbeat.ttl_s) is None:
+        if await self.registry.pin(version, self.worker_id, self.heartbeat.ttl_s) is None:
             self.entries.pop(version, None)  # retired meanwhile
             return False
-        worker.heartbeat.holds.add(version)
+        self.heartbeat.holds.add(version)
         snapshot, loaded = self.snapshots.new(version), False
         try:
             await asyncio.to_thread(check_adapter_version, entry, self.base_schema, self.max_rank,
                                     snapshot)
             adapter = Adapter(version, entry.base, str(snapshot))
-            await worker.engine.add_adapter(adapter)
+            await self.engine.add_adapter(adapter)
             loaded = True
         except RedisError:
             self.snapshots.drop(snapshot)
@@ -149,8 +153,8 @@ class ResidentAdapters:
         except Exception as e:  # a hostile or wrong adapter: refused for good, the worker goes on
             self.snapshots.drop(snapshot)
             self.refused[version] = f"adapter version {version} refused: {e}"
-            worker.versions.refuse(version, self.refused[version])
-            log.error("%s; still serving version %d", self.refused[version], worker.engine.version)
+            self.versions.refuse(version, self.refused[version])
+            log.error("%s; still serving version %d", self.refused[version], self.engine.version)
             return False
         finally:
             if not loaded:
@@ -170,9 +174,9 @@ class ResidentAdapters:
         await self._evict()
 
     async def _unpin(self, version: int) -> None:
-        self.worker.heartbeat.holds.discard(version)
+        self.heartbeat.holds.discard(version)
         with contextlib.suppress(RedisError):  # else the lease lapses by itself
-            await self.registry.unpin(version, self.worker.worker_id)
+            await self.registry.unpin(version, self.worker_id)
 
     async def _evict(self) -> None:
         """Keep at most `capacity` adapters loaded, the least recently used going first."""
@@ -187,7 +191,7 @@ class ResidentAdapters:
         if adapter is None:  # unloaded meanwhile (an eviction and a refresh both chose it)
             return
         try:
-            await self.worker.engine.remove_adapter(version)
+            await self.engine.remove_adapter(version)
         except Exception as e:  # the engine keeps a spare adapter: harmless, and said
             log.warning("unloading adapter version %d: %s", version, e)
         self.snapshots.drop(adapter.path)
@@ -196,7 +200,7 @@ class ResidentAdapters:
         """After a swap of the full weights: adapters of the old weights go (none is in use: a
         swap drains groups served by adapters). Only those: the gate reopened before this runs,
         so a group may already be running on an adapter of the new weights."""
-        base = self.worker.engine.version
+        base = self.engine.version
         for version in [v for v, adapter in self.loaded.items() if adapter.base != base]:
             await self._unload(version)
 
@@ -212,11 +216,3 @@ class ResidentAdapters:
             return None
         return Verdict(Decision.FAIL, "; ".join(self.refused[v] for v in refused))
 
-
-def check_adapter_version(entry: VersionEntry, base_schema: Schema | None, max_rank: int,
-                          into: Path) -> None:
-    """Copy the adapter's files into `into` (private), check digests, then config and tensors."""
-    from rollq.worker.swap import copy_version
-
-    copy_version(entry, into)
-    check_adapter(into, base_schema, max_rank)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -22,11 +21,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rollq.engine.base import Engine, GroupError
 from rollq.images import SERVING_FOR
 from rollq.protocol import GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode, peek_header
+from rollq.queue.connection import Backoff
 from rollq.queue.names import JobState, Reply
 from rollq.queue.work import Claimed, WorkQueue
 from rollq.queue.workers import live_workers, recently_pinned
 from rollq.worker.admission import Admission
 from rollq.worker.heartbeat import Heartbeat
+from rollq.worker.limits import Limits
 from rollq.worker.stats import WorkerStats
 from rollq.worker.versions import VersionState
 from rollq.worker.windows import Decision, Verdict, decide, in_window
@@ -43,8 +44,7 @@ class GroupServer:
     """What serving a group needs, and nothing of how groups are claimed or held."""
 
     def __init__(self, queue: WorkQueue, engine: Engine, *, versions: VersionState,
-                 admission: Admission, stats: WorkerStats, heartbeat: Heartbeat, max_inflight: int,
-                 lease_s: float, max_deliveries: int, pinned: bool):
+                 admission: Admission, stats: WorkerStats, heartbeat: Heartbeat, limits: Limits):
         self.queue = queue
         self.engine = engine
         self.worker_id = queue.consumer
@@ -52,28 +52,43 @@ class GroupServer:
         self.admission = admission
         self.stats = stats
         self.heartbeat = heartbeat
-        self.lease_s = lease_s
-        self.max_deliveries = max_deliveries
-        self.pinned = pinned
-        self._engine_slots = asyncio.Semaphore(max_inflight)
+        self.limits = limits
+        self._engine_slots = asyncio.Semaphore(limits.max_inflight)
         self._peers: tuple[float, set[int]] = (0.0, set())
+
+    def ending(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> tuple[str, str] | None:
+        """May this claimed group be served now? The one place that decides (the worker asks it
+        too, before batching groups): None if it may, else the (status, reason) it ends with
+        unserved: `dead` (delivered too often; an undecodable payload), `cancelled`, `expired`."""
+        if c.deliveries > self.limits.max_deliveries:
+            why = c.last_error or "its lease lapsed each time (worker died or stalled)"
+            return "dead", f"gave up after {c.deliveries - 1} deliveries; last error: {why}"
+        if isinstance(item, str):
+            return "dead", item
+        if job_state is JobState.CANCELLED:
+            return "cancelled", ""
+        if item.deadline and item.deadline <= time.time():
+            return "expired", "deadline passed before generation"
+        return None
 
     async def serve(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> None:
         """`item`: the decoded payload, or why it could not be decoded."""
-        if c.deliveries > self.max_deliveries:
-            why = c.last_error or "its lease lapsed each time (worker died or stalled)"
-            return await self._fail(c, f"gave up after {c.deliveries - 1} deliveries; last error: {why}",
-                                    dead=True)
-        if isinstance(item, str):
-            header = peek_header(c.data) if c.data is not None else None
-            if header is not None and c.job_id is None:
-                c.job_id, c.group_index = header.job_id, header.group_index
-            return await self._fail(c, item, dead=True)
+        status, reason = self.ending(c, item, job_state) or ("", "")
+        if status == "dead":
+            if isinstance(item, str) and c.deliveries <= self.limits.max_deliveries:
+                header = peek_header(c.data) if c.data is not None else None
+                if header is not None and c.job_id is None:
+                    c.job_id, c.group_index = header.job_id, header.group_index
+            return await self._fail(c, reason, dead=True)
         c.job_id, c.group_index = item.job_id, item.group_index
         # Whose images it may read: the stream's trainer, never one the item names (a task each).
         SERVING_FOR.set(self.queue.keys.trainer_of(c.stream))
-        if job_state is JobState.CANCELLED:
+        if status == "cancelled":
             return await self.finish(c, cancelled(c, self.worker_id, prompt=item.prompt))
+        if status == "expired":
+            return await self.finish(c, GroupResult(status="expired", reason=reason, job_id=item.job_id,
+                                                    group_index=item.group_index, prompt=item.prompt,
+                                                    worker_id=self.worker_id))
         result = await self._generate(c.key, item)
         if result is None:  # another worker (or a later version) serves it
             await self.release_quietly([c], error="", refund=True)
@@ -95,8 +110,6 @@ class GroupServer:
         deadline = item.deadline - time.time() if item.deadline else None
         partial = dict(job_id=item.job_id, group_index=item.group_index, prompt=item.prompt,
                        worker_id=self.worker_id)
-        if deadline is not None and deadline <= 0:
-            return GroupResult(status="expired", reason="deadline passed before generation", **partial)
         started = time.time()
         try:
             # (no Timeout object without a deadline: it showed in the per-group profile)
@@ -155,7 +168,7 @@ class GroupServer:
         loaded = self.engine.version
         if in_window(item, loaded, loaded if newest is None else max(newest, loaded)):
             return Verdict(Decision.SERVE)
-        return decide(item, loaded=loaded, pinned=self.pinned, newest=newest,
+        return decide(item, loaded=loaded, pinned=self.limits.pinned, newest=newest,
                       pinned_elsewhere=await self._pinned_peers(), cannot_load=versions.cannot_load,
                       target=self.heartbeat.target)
 
@@ -189,7 +202,7 @@ class GroupServer:
         if not finishing:
             return
         calls = [(c, result.status, encode(result), dead_reason) for c, result, dead_reason in finishing]
-        give_up, delay = time.monotonic() + self.lease_s, 0.1
+        give_up, backoff = time.monotonic() + self.limits.lease_s, Backoff(0.1, 2.0)
         c = finishing[0][0]
         while True:
             try:
@@ -200,8 +213,7 @@ class GroupServer:
                     raise
                 log.warning("writing %d results (group %s/%s, ...): redis unreachable (%s); "
                             "retrying", len(calls), c.job_id, c.group_index, e)
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
         newest = max(self.versions.newest or 0, self.engine.version)
         for (c, result, dead_reason), outcome in zip(finishing, outcomes):
             if outcome is Reply.LOST and not c.taken_over:  # (the renewal warned already)

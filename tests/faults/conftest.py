@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 
 
 def pytest_collection_modifyitems(items):

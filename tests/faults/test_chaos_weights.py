@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rollq.chaos_weights import FAULTS, PROMPTS
+from rollq.harness.chaos.weights import FAULTS, PROMPTS
 
 
 @pytest.mark.timeout(900)  # two engines start, then the faults: ~4 min alone, longer when loaded

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 
 
 def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:

@@ -12,18 +12,20 @@ from redis.exceptions import AuthenticationError, ConnectionError, NoPermissionE
 
 from rollq.client import RolloutClient
 from rollq.engine.instant import InstantEngine
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 from rollq.queue.connection import connect
 from rollq.queue.keys import Keys
 from rollq.queue.work import WorkQueue
 from rollq.security import trainer_acl, worker_acl
 from rollq.worker.loop import Worker
+from rollq.worker.limits import Limits
 
 
 async def served_worker(url: str, policy: str):
     redis = connect(url)
     worker = Worker(WorkQueue(redis, Keys(policy), f"w-{uuid.uuid4().hex[:6]}", job_ttl_s=600),
-                    InstantEngine(), max_inflight=4, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1)
+                    InstantEngine(),
+                    Limits(max_inflight=4, lease_s=5, max_deliveries=3, grace_s=1, poll_s=0.1))
     return worker, asyncio.create_task(worker.run()), redis
 
 

@@ -3,7 +3,7 @@ a tiny model made here, with a private redis-server and one vLLM worker (nothing
 
 Prints each step's reward and the version that served its episodes, and writes
 `<out>/tools.json`. The CLI flag is wired in `rollq/cli.py` (`demo --task tools`); this module
-runs it: `python -m rollq.demo_tools [--steps 16] [--out demo-output]`.
+runs it: `python -m rollq.harness.demo_tools [--steps 16] [--out demo-output]`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollq.demo import private_redis, wait_for_worker, worker_process
+from rollq.harness.demo import private_redis, wait_for_worker, worker_process
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tool_agent.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tool_agent.py"
 
 
 def load_example():

@@ -29,11 +29,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rollq.faults import RedisProcess, reserved_port
+from rollq.harness.faults import RedisProcess, reserved_port
 from rollq.children import stop_child
 
 console = Console()
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "async_grpo.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "async_grpo.py"
 
 
 @dataclass

@@ -3,7 +3,7 @@ worker processes while a trainer submits, reads and publishes; then count what c
 
 Faults: worker SIGKILL (a replacement starts), worker SIGSTOP for a few seconds, Redis SIGKILL
 and restart (AOF, fsync always), killed client connections, and trainer SIGKILL (restarted with
-the same trainer id). The results are read by a trainer process (`rollq/chaos_trainer.py`) that
+the same trainer id). The results are read by a trainer process (`rollq/harness/chaos/trainer.py`) that
 breaks out of `results()` at random, commits what it trained on to a log (fsync) and only then
 acknowledges. Every `publish_every_s` the runner publishes a new weight version, which the
 workers swap to. At the end every acknowledged submit's groups must be in the trainer's
@@ -31,9 +31,9 @@ import msgspec
 from redis.exceptions import RedisError
 from rich.console import Console
 
-from rollq.chaos_trainer import POLICY
+from rollq.harness.chaos.trainer import POLICY
 from rollq.client import RolloutClient
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 from rollq.queue.connection import connect
 from rollq.children import reap_group, stop_children
 
@@ -103,7 +103,7 @@ class _Run:
         self.spawned += 1
         out = open(self.workdir / f"trainer-{self.spawned}.log", "w")  # noqa: SIM115 (child keeps it)
         self.trainer = subprocess.Popen(
-            [sys.executable, "-m", "rollq.chaos_trainer", self.redis.url, str(self.log),
+            [sys.executable, "-m", "rollq.harness.chaos.trainer", self.redis.url, str(self.log),
              str(self.rng.randrange(2**31))], stdout=out, stderr=subprocess.STDOUT)
         out.close()
 

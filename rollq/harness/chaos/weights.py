@@ -11,7 +11,7 @@ every worker has decided on the previous one (served or refused it):
   toward it or loads it), its file rewritten in place with another weight set's bytes;
 - `truncated`: a two-shard version published by reference, then one shard cut short (workers
   frozen until then).
-Every publish uses `keep=1`. Version v is weight set `v % 3` (`rollq/chaos_reference.py`), so the
+Every publish uses `keep=1`. Version v is weight set `v % 3` (`rollq/harness/chaos/reference.py`), so the
 reference of every label is known whatever happened to the files.
 
 Workers: one per swap mode (drain, interrupt), each its own float32 engine of a tiny model made
@@ -43,10 +43,10 @@ import msgspec
 from rich.console import Console
 from safetensors.torch import save_file
 
-from rollq.chaos_reference import WEIGHT_SETS, Reference, WeightSets, make_tiny_model
+from rollq.harness.chaos.reference import WEIGHT_SETS, Reference, WeightSets, make_tiny_model
 from rollq.children import stop_children
 from rollq.client import RolloutClient
-from rollq.faults import RedisProcess
+from rollq.harness.faults import RedisProcess
 from rollq.protocol import GroupResult
 from rollq.queue.workers import live_workers
 

@@ -10,7 +10,7 @@ Log lines are `<kind> <item> ...`: `step-take` / `step-break` (committed, items
 `acked`, and `dup`: what must never happen, a result handed twice to one life of the process or
 handed again after it was acknowledged.
 
-    python -m rollq.chaos_trainer REDIS_URL LOG SEED
+    python -m rollq.harness.chaos.trainer REDIS_URL LOG SEED
 """
 
 from __future__ import annotations

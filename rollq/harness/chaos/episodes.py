@@ -2,7 +2,7 @@
 multi-turn episodes (n branches) through the Python client and through the gateway; then every
 turn a caller was told was served is looked for in its episode's record.
 
-Trainer processes (`rollq/chaos_episode_trainer.py`) journal every start, turn and end before
+Trainer processes (`rollq/harness/chaos/episode_trainer.py`) journal every start, turn and end before
 sending it and its outcome after. The checker (`check`) splits each branch's final record (the
 one `end()` returned, else the one left in Redis) at the turns' marker tokens and counts:
 
@@ -40,11 +40,11 @@ from pathlib import Path
 from redis.exceptions import RedisError
 from rich.console import Console
 
-from rollq.chaos_episode_check import EpisodeSummary, check
-from rollq.chaos_episode_trainer import HTTP_TRAINER
-from rollq.chaos_trainer import POLICY
+from rollq.harness.chaos.episode_check import EpisodeSummary, check
+from rollq.harness.chaos.episode_trainer import HTTP_TRAINER
+from rollq.harness.chaos.trainer import POLICY
 from rollq.children import reap_group, stop_child, stop_children
-from rollq.faults import RedisProcess, reserved_port
+from rollq.harness.faults import RedisProcess, reserved_port
 from rollq.protocol import Status, derived_trainer_id, unpack_tokens
 from rollq.queue.connection import connect
 from rollq.queue.keys import Keys
@@ -131,8 +131,9 @@ class _Run:
         http = index == self.settings.trainers - 1
         log = self._log(f"trainer{index}")
         self.trainers[index] = subprocess.Popen(
-            [sys.executable, "-m", "rollq.chaos_episode_trainer", self.redis.url, str(self.journal(index)),
-             str(index), str(self.lives[index]), str(self.rng.randrange(2**31)), str(self.stop_file),
+            [sys.executable, "-m", "rollq.harness.chaos.episode_trainer", self.redis.url,
+             str(self.journal(index)), str(index), str(self.lives[index]), str(self.rng.randrange(2**31)),
+             str(self.stop_file),
              *([f"http://127.0.0.1:{self.gateway_port}"] if http else [])],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()

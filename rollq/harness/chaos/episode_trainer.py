@@ -3,7 +3,7 @@ Python client or through the gateway's episode routes, and journals every call a
 
 The chaos runner SIGKILLs and restarts it with the same trainer id and owner. The journal (one
 JSON object a line, fsynced before the call it announces and after the reply it records) is
-what the checker (`rollq/chaos_episodes.py`) compares with the episode records:
+what the checker (`rollq/harness/chaos/episodes.py`) compares with the episode records:
 
     {"k": "send", "u": marker, "b": [branches], "op": "start"|"turn"|"end", "new": [...], ...}
     {"k": "ok", "u": marker, "out": [[sampled tokens of branch 0], ...]}   served (or ended: "rec")
@@ -17,7 +17,7 @@ what the checker (`rollq/chaos_episodes.py`) compares with the episode records:
 Every turn's new tokens are one marker token, unique across trainers and lives, so the checker
 finds each turn in a record; a start's prompt begins with its marker.
 
-    python -m rollq.chaos_episode_trainer REDIS_URL JOURNAL INDEX LIFE SEED STOP_FILE [GATEWAY_URL]
+    python -m rollq.harness.chaos.episode_trainer REDIS_URL JOURNAL INDEX LIFE SEED STOP_FILE [GATEWAY_URL]
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 import aiohttp
 from redis.exceptions import RedisError
 
-from rollq.chaos_trainer import POLICY
+from rollq.harness.chaos.trainer import POLICY
 from rollq.client import RolloutClient
-from rollq.episodes import EpisodeError
+from rollq.client.episodes import EpisodeError
 from rollq.protocol import InvalidInput
 
 MARKER_BASE = 100_000_000

@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import random
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -32,34 +28,31 @@ from rollq.protocol import (
     InvalidInput,
     QueueFull,
     Sampling,
-    VersionEntry,
+    as_sampling,
     WorkItem,
     check_id,
     check_trainer_id,
+    derived_trainer_id,
     decode_item,
     encode,
     encode_meta,
     pack_tokens,
-    sampling_from_dict,
     validate_item,
     validate_n,
     VersionWindow,
 )
 from rollq import conversations
 from rollq import images as imaging
+from rollq.client.episodes import Episodes
+from rollq.client.publishing import Publisher
 from rollq.conversations import Trajectory
 from rollq.queue import jobs
 from rollq.config import default_weight_store
-from rollq.queue.connection import DEFAULT_URL, connect
+from rollq.queue.connection import DEFAULT_URL, Backoff, connect
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
-from rollq.registry.adapters import is_adapter_dir
-from rollq.registry.commit import commit_version
-from rollq.registry.sources import adapter_of, gathered, is_sharded, named_tensors
-from rollq.registry.staging import Staging
-from rollq.registry.store import WeightStore, adapter_files, digest_dir
 from rollq.registry.versions import Registry
 from rollq.scoring import jobs as scoring
 
@@ -89,24 +82,9 @@ trainers (docs/reliability.md, "Delivery to trainers", says the same for HTTP):
 """
 
 
-def _check_ack(ack: str) -> None:
+def check_ack(ack: str) -> None:
     if ack not in ("auto", "manual"):
         raise InvalidInput("ack", f"ack={ack!r} must be 'auto' or 'manual'")
-
-
-async def _result_of(task: asyncio.Task):
-    return await task
-
-
-def _log_failed_publish(task: asyncio.Task) -> None:
-    """A background publish that failed is logged even if its caller never awaits its task."""
-    if not task.cancelled() and (error := task.exception()) is not None:
-        log.error("publish_weights (wait=False) failed: %s: %s", type(error).__name__, error)
-
-
-async def _now(func, *args):
-    """Run a plain function on the client's event loop (the sync wrapper's thread)."""
-    return func(*args)
 
 
 def group_prompts(prompts: Sequence[Prompt], n: int, repeated: bool) -> list[list[int] | str]:
@@ -136,16 +114,6 @@ def _typed(field: str, value: Any, typ: Any) -> Any:
         return msgspec.convert(value, typ)
     except msgspec.ValidationError as e:
         raise InvalidInput(field, str(e)) from None
-
-
-def _sampling(sampling: Sampling | dict[str, Any] | None) -> Sampling:
-    if sampling is None:
-        return Sampling()
-    if isinstance(sampling, Sampling):
-        return sampling
-    if not isinstance(sampling, dict):
-        raise InvalidInput("sampling", f"must be a Sampling or a dict, got {type(sampling).__name__}")
-    return sampling_from_dict(sampling)
 
 
 class RolloutClient:
@@ -188,10 +156,8 @@ class RolloutClient:
         self.registry = Registry(self.redis, self.keys, self.scripts)
         self.weight_store = weight_store or default_weight_store()
         self._reader = ResultReader(self.redis, self.scripts, self.keys, trainer_id, trainer_id)
-        self._publishing: asyncio.Task | None = None
-        """The last publish started: the next one registers after it (versions in order)."""
-        self._staging = Staging()
-        """Host buffers a published state_dict is copied into, kept for the next publishes."""
+        self._publisher = Publisher(self.redis, self.keys, self.registry, self.weight_store,
+                                    self.trainer_id)
         self._auto_unacked: list[str] = []
         """Handed out by reads with ack="auto": acknowledged by this client's next read."""
 
@@ -202,8 +168,7 @@ class RolloutClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._publishing is not None:  # a background publish finishes (or fails) first
-            await asyncio.wait([self._publishing])
+        await self._publisher.settle()  # a background publish finishes (or fails) first
         if self._owns_redis:
             await self.redis.aclose()
 
@@ -264,7 +229,7 @@ class RolloutClient:
         groups = group_prompts(prompts, n, repeated)
         found: dict[str, bytes | None] = {}
         digests = self._group_images(images, len(groups), found)
-        items = self._encode_items(job_id, groups, n, _sampling(sampling), deadline_s, window, digests)
+        items = self._encode_items(job_id, groups, n, as_sampling(sampling), deadline_s, window, digests)
         items = await self._scored(items, reward, reward_inputs, reward_errors, dynamic_sampling, n, deliver)
         meta_bytes = encode_meta(meta)
         await self._store_images(found, deadline_s)
@@ -344,7 +309,7 @@ class RolloutClient:
         job_id = check_id("job_id", job_id) if job_id is not None else uuid.uuid4().hex
         window = VersionWindow(max_staleness=max_staleness, min_version=min_version,
                                max_version=max_version, exact_version=exact_version).resolve()
-        settings = msgspec.structs.replace(_sampling(sampling), return_text=True)
+        settings = msgspec.structs.replace(as_sampling(sampling), return_text=True)
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
             raise InvalidInput("conversations", "must be a list of conversations (lists of messages)")
         shared = dict(tools=_typed("tools", tools, list[dict[str, Any]] | None),
@@ -411,7 +376,7 @@ class RolloutClient:
             raise InvalidInput("prompts", f"the job's items are {size} bytes encoded; they can never "
                                           f"fit the quota max_outstanding_bytes={self.max_outstanding_bytes}")
         give_up = time.monotonic() + timeout_s if timeout_s is not None else None
-        delay = 0.01
+        backoff = Backoff(0.01, 0.5)
         while True:
             try:
                 # Retried through connection loss: the job id makes a repeated enqueue a no-op.
@@ -430,8 +395,7 @@ class RolloutClient:
             while not await self._room(len(items), size, limit, byte_limit):
                 if give_up is not None and time.monotonic() >= give_up:
                     break
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 0.5)
+                await backoff.sleep()
 
     async def submit_routed(self, job_id: str, prompt: list[int], n: int, sampling: Sampling,
                             window: tuple[int, int | None, int | None], deadline_s: float | None,
@@ -467,7 +431,7 @@ class RolloutClient:
         """`await func(*args, **kwargs)`, again with backoff while Redis is unreachable (a restart, a killed
         connection), for up to `reconnect_s`. A read starts over with the results delivered but
         not acknowledged, in case the lost reply carried some."""
-        give_up, delay = time.monotonic() + self.reconnect_s, 0.05
+        give_up, backoff = time.monotonic() + self.reconnect_s, Backoff(0.05, 2.0)
         while True:
             try:
                 return await func(*args, **kwargs)
@@ -476,8 +440,7 @@ class RolloutClient:
                     raise
                 if reading:
                     self._reader.replay()
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
 
     def _encode_items(self, job_id: str, prompts: list[list[int] | str], n: int, sampling: Sampling,
                       deadline_s: float | None, window: tuple[int, int | None, int | None],
@@ -519,7 +482,7 @@ class RolloutClient:
         Breaking out of the loop is safe: results read but not handed out yet come first from the
         next `results()` or `take()` of this client.
         """
-        _check_ack(ack)
+        check_ack(ack)
         while True:
             for entry_id, result in await self._next_batch(batch, int(block_s * 1000)):
                 # Handed (and, with "auto", due for acknowledgement) only when actually yielded.
@@ -529,7 +492,7 @@ class RolloutClient:
     async def take(self, count: int, *, timeout_s: float = 30.0,
                    ack: AckMode = "auto") -> list[GroupResult]:
         """Up to `count` results, waiting at most `timeout_s`. Acknowledgement: see `AckMode`."""
-        _check_ack(ack)
+        check_ack(ack)
         await self._ack_auto()
         got: list[GroupResult] = []
         give_up = time.monotonic() + timeout_s
@@ -547,7 +510,7 @@ class RolloutClient:
                       ack: AckMode = "auto") -> list[GroupResult]:
         """The results that have arrived, up to `max_count`, as soon as there is one (waiting at
         most `block_s`; `take` instead waits to fill its count). Acknowledgement: see `AckMode`."""
-        _check_ack(ack)
+        check_ack(ack)
         return [r for e, r in await self._next_batch(max_count, int(block_s * 1000)) if self._hand(e, ack)]
 
     async def ack(self, results: Iterable[GroupResult | str] | None = None) -> int:
@@ -645,83 +608,8 @@ class RolloutClient:
         a directory PEFT's `save_pretrained` wrote; only `adapter_config.json` and
         `adapter_model.safetensors` are stored (always copied).
         """
-        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**62:
-            raise InvalidInput("version", f"version={version!r} must be an integer >= 0")
-        if adapter_on is not None:
-            await self._check_adapter_base(version, adapter_on, source)
-            if not isinstance(source, (str, os.PathLike)):
-                source = await asyncio.to_thread(adapter_of, source)
-        elif isinstance(source, (str, os.PathLike)) and is_adapter_dir(Path(source)):
-            raise InvalidInput("adapter_on", f"{source} is a LoRA adapter: publish it with "
-                                             "adapter_on=<the full version it applies on>")
-        elif not isinstance(source, (str, os.PathLike)):
-            if is_sharded(source):
-                source = await asyncio.to_thread(gathered, source)  # a collective: every rank
-                if source is None:  # not rank 0: rank 0 publishes
-                    return None
-            # The one copy the trainer waits for: its tensors into a staging buffer, laid out
-            # as the file; from here its optimizer may change them in place.
-            source = await asyncio.to_thread(self._pack, source)
-        task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy,
-                                                         keep, adapter_on))
-        self._publishing = task
-        if wait:
-            return await task
-        task.add_done_callback(_log_failed_publish)
-        return task
-
-    def _pack(self, source: Any):
-        return self._staging.pack(named_tensors(source))  # (a PEFT model is merged first)
-
-    async def _check_adapter_base(self, version: int, base: Any, source: Any) -> None:
-        if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < version:
-            raise InvalidInput("adapter_on", f"adapter_on={base!r} must be a full version below "
-                                             f"{version} (0: the model workers start with)")
-        if base > 0:
-            entry = await self.registry.get(base)
-            if entry is None or entry.kind != "full":
-                raise InvalidInput("adapter_on", f"adapter_on={base}: no full version {base} is "
-                                                 "registered (an adapter applies on full weights)")
-
-    async def _publish_in_turn(self, previous: asyncio.Task | None, version: int, source: Any,
-                               copy: bool, keep: int | None,
-                               adapter_on: int | None = None) -> VersionEntry:
-        if previous is not None:
-            await asyncio.wait([previous])  # its outcome is its own caller's to see
-        store = WeightStore(self.weight_store)
-        if adapter_on is None:
-            path, files, owned = await asyncio.to_thread(self._write_weights, store, version,
-                                                         source, copy)
-        else:
-            path, files = await asyncio.to_thread(self._write_adapter, store, version, source)
-            owned = True
-        entry = VersionEntry(version, str(path), files, sum(f.bytes for f in files), time.time(),
-                             self.trainer_id, owned, "full" if adapter_on is None else "adapter",
-                             adapter_on or 0)
-        await commit_version(self.redis, self.keys, store, entry, keep, self.registry)
-        return entry
-
-    def _write_weights(self, store: WeightStore, version: int, source: Any, copy: bool):
-        policy = self.keys.policy
-        if isinstance(source, (str, os.PathLike)):
-            source = Path(source).resolve()
-            if not source.is_dir():
-                raise InvalidInput("source", f"{source} is not a directory of safetensors files")
-            if not copy:
-                return source, digest_dir(source), False
-            return *store.copy_dir(policy, version, source), True
-        try:  # a packed checkpoint (staging.Image)
-            return *store.write_image(policy, version, source), True
-        finally:
-            self._staging.give(source.buffer)
-
-    def _write_adapter(self, store: WeightStore, version: int, source: Any):
-        if isinstance(source, tuple):  # (tensors, config) of a PEFT model, copied already
-            return store.write_adapter(self.keys.policy, version, *source)
-        source = Path(source).resolve()
-        if not source.is_dir():
-            raise InvalidInput("source", f"{source} is not an adapter directory")
-        return store.copy_dir(self.keys.policy, version, source, adapter_files)
+        return await self._publisher.publish(version, source, copy=copy, keep=keep, wait=wait,
+                                             adapter_on=adapter_on)
 
     async def latest_version(self) -> int | None:
         return await self.registry.latest()
@@ -737,78 +625,19 @@ class RolloutClient:
         expired, an hour after its last turn)."""
         return await self._retrying(conversations.trajectory, self, conversation_id)
 
-    def episodes(self, *, owner: str | None = None, affinity: bool = True):
-        """Multi-turn episodes of this trainer (`rollq.episodes.Episodes`; close it when done).
+    def replay(self) -> None:
+        """After a lost reply: the next read hands again the results delivered to this client
+        and not acknowledged (the reply may have carried some)."""
+        self._reader.replay()
+
+    def episodes(self, *, owner: str | None = None, affinity: bool = True) -> Episodes:
+        """Multi-turn episodes of this trainer (`rollq.client.episodes.Episodes`; close it when done).
         `owner` names the result stream its turns come back on (default: a fresh one; name it
         so a restarted trainer can `recover()` the turns it left running);
         `affinity`: each turn goes to the worker that served the previous one while it can."""
-        from rollq.episodes import Episodes
-
-        return Episodes(self, owner=owner, affinity=affinity)
-
-
-class SyncRolloutClient:
-    """RolloutClient for synchronous code: the same calls, run on a private event loop thread."""
-
-    def __init__(self, redis_url: str = DEFAULT_URL, **kwargs: Any):
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollq-client",
-                                        daemon=True)
-        self._thread.start()
-        self._client = self._call(self._make(redis_url, kwargs))
-
-    @staticmethod
-    async def _make(redis_url: str, kwargs: dict[str, Any]) -> RolloutClient:
-        return RolloutClient(redis_url, **kwargs)
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def submit(self, prompts, n: int = 1, sampling=None, **kwargs: Any) -> str:
-        return self._call(self._client.submit(prompts, n, sampling, **kwargs))
-
-    def upload_image(self, data: bytes, **kwargs: Any):
-        return self._call(self._client.upload_image(data, **kwargs))
-
-    def take(self, count: int, *, timeout_s: float = 30.0, ack: AckMode = "auto") -> list[GroupResult]:
-        return self._call(self._client.take(count, timeout_s=timeout_s, ack=ack))
-
-    def results(self, *, batch: int = 64, ack: AckMode = "auto") -> Iterator[GroupResult]:
-        """Results as they arrive, forever; acknowledged as `RolloutClient.results` says."""
-        _check_ack(ack)
-        while True:
-            for entry_id, result in self._call(self._client._next_batch(batch, 1000)):
-                if self._call(_now(self._client._hand, entry_id, ack)):
-                    yield result
-
-    def ack(self, results: Iterable[GroupResult | str] | None = None) -> int:
-        return self._call(self._client.ack(results))
-
-    def status(self, job_id: str) -> JobStatus:
-        return self._call(self._client.status(job_id))
-
-    def wait(self, job_id: str, *, timeout_s: float | None = None) -> JobStatus:
-        return self._call(self._client.wait(job_id, timeout_s=timeout_s))
-
-    def cancel(self, job_id: str) -> int:
-        return self._call(self._client.cancel(job_id))
-
-    def conversation(self, conversation_id: str) -> Trajectory | None:
-        return self._call(self._client.conversation(conversation_id))
-
-    def publish_weights(self, version: int, source: Any, *, wait: bool = True, **kwargs: Any):
-        """`wait=False`: a `concurrent.futures.Future` of the `VersionEntry` (see the async client)."""
-        published = self._call(self._client.publish_weights(version, source, wait=wait, **kwargs))
-        return published if wait else asyncio.run_coroutine_threadsafe(_result_of(published), self._loop)
-
-    def close(self) -> None:
-        self._call(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def __enter__(self) -> SyncRolloutClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        owner = check_id("owner", owner) if owner is not None else uuid.uuid4().hex[:10]
+        # The turns go through a client of their own: its trainer id names the owner's stream.
+        turns = RolloutClient(policy=self.keys.policy, redis=self.redis,
+                              trainer_id=derived_trainer_id(self.trainer_id, "episodes", owner))
+        return Episodes(turns, trainer=self.trainer_id, scripts=self.scripts, registry=self.registry,
+                        owner=owner, affinity=affinity)

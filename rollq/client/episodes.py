@@ -33,7 +33,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import random
 import time
 import uuid
 from collections.abc import Sequence
@@ -47,8 +46,8 @@ from rollq.protocol import (
     InvalidInput,
     Sample,
     Sampling,
+    as_sampling,
     check_id,
-    derived_trainer_id,
     encode,
     pack_floats,
     pack_tokens,
@@ -61,13 +60,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.engine.chat import CONTINUATION_BASE
+from rollq.queue.connection import Backoff
 from rollq.queue.names import EpisodeField, EpisodeState, Reply
+from rollq.queue.scripts import Scripts
 from rollq.queue.workers import WorkerState
+from rollq.registry.versions import Registry
 
-if TYPE_CHECKING:
-    from rollq.client import RolloutClient
+if TYPE_CHECKING:  # annotations only: the client imports this module
+    from rollq.client.rollouts import RolloutClient
 
-log = logging.getLogger("rollq.episodes")
+log = logging.getLogger("rollq.client.episodes")
 
 DEFAULT_TTL_S = 600
 """An episode record lives this long after its last turn began or ended."""
@@ -203,17 +205,18 @@ def _version_at(segments: list[tuple[int, int]], k: int) -> int:
 class Episodes:
     """One trainer's episodes on one policy (`RolloutClient.episodes()`)."""
 
-    def __init__(self, client: RolloutClient, *, owner: str | None = None, affinity: bool = True):
-        from rollq.client import RolloutClient
-
+    def __init__(self, turns: RolloutClient, *, trainer: str, scripts: Scripts, registry: Registry,
+                 owner: str, affinity: bool = True):
+        """`turns`: the client the turns are submitted and read through, on the owner's own
+        result stream (`RolloutClient.episodes()` makes it); `trainer`: the trainer whose
+        episodes these are, with its `scripts` and `registry`."""
         self.affinity = affinity
         """Send each turn to the worker that served the previous one while it can serve it."""
-        self.client = client
-        self.keys = client.keys
-        self.trainer = client.trainer_id
-        self.owner = check_id("owner", owner) if owner is not None else uuid.uuid4().hex[:10]
-        self._submitter = RolloutClient(policy=self.keys.policy, redis=client.redis,
-                                        trainer_id=derived_trainer_id(self.trainer, "episodes", self.owner))
+        self.redis, self.keys = turns.redis, turns.keys
+        self.scripts, self.registry = scripts, registry
+        self.trainer = trainer
+        self.owner = owner
+        self._submitter = turns
         self._waiting: dict[str, tuple[list[str], list[int], asyncio.Future]] = {}
         self._router: asyncio.Task | None = None
         self._stopping = False
@@ -283,16 +286,16 @@ class Episodes:
     async def _hold(self, lease_ms: int | None = None) -> bool:
         """Take or renew the owner lease (0: give it up); False when another token holds it."""
         ms = int(self.owner_lease_s * 1000) if lease_ms is None else lease_ms
-        held = await self.client.scripts.episode_owner(
+        held = await self.scripts.episode_owner(
             keys=[self.keys.episode_owner(self._submitter.trainer_id)], args=[self._token, ms],
-            client=self.client.redis)
+            client=self.redis)
         self._renewed = time.monotonic()
         return int(held) == 1
 
     async def _free_unsubmitted(self) -> int:
         """Free this owner's running turns whose job was never queued (an earlier holder died
         between the record's change and the enqueue): each becomes idle, its reason recorded."""
-        redis, mine, sub = self.client.redis, self.keys.episode(self.trainer, ""), self._submitter.trainer_id
+        redis, mine, sub = self.redis, self.keys.episode(self.trainer, ""), self._submitter.trainer_id
         stale: dict[str, list[str]] = {}
         running = self.keys.episode_running(sub)
         for key in await redis.zrange(running, 0, -1):
@@ -309,7 +312,7 @@ class Episodes:
                 await redis.zrem(running, key)
         freed = 0
         for job, records in stale.items():
-            freed += await self.client.scripts.episode_unsubmitted(
+            freed += await self.scripts.episode_unsubmitted(
                 keys=[self.keys.episodes, self.keys.job(sub, job), *records],
                 args=[job, "not submitted: its client stopped before queuing the turn"],
                 client=redis)
@@ -333,8 +336,6 @@ class Episodes:
         served by the version that served its first turn, unless `move` (then by any version of
         the window, never an older one than the last turn's; `Episode.token_versions` says which).
         """
-        from rollq.client import _sampling
-
         validate_n(n)
         episode_id = check_id("episode_id", episode_id) if episode_id else uuid.uuid4().hex
         if len(episode_id) > MAX_EPISODE_ID_CHARS:  # room for a branch and a turn in the job ids
@@ -342,7 +343,7 @@ class Episodes:
                                              f"{MAX_EPISODE_ID_CHARS}")
         lo, hi, staleness = VersionWindow(min_version=min_version, max_version=max_version,
                                           exact_version=exact_version, max_staleness=max_staleness).resolve()
-        settings = _sampling(sampling)
+        settings = as_sampling(sampling)
         if not move:  # a sample crossing a swap would have two versions: drain instead
             settings = msgspec.structs.replace(settings, swap_modes=("drain",))
         if not 1 <= ttl_s <= 30 * 86_400:
@@ -354,12 +355,12 @@ class Episodes:
         await self._ready()
         self._inflight.add(job_id)
         try:
-            reply = await self.client.scripts.episode_start(
+            reply = await self.scripts.episode_start(
                 keys=[self.keys.episodes, *map(self._key, branches),
                       self.keys.episode_running(self._submitter.trainer_id)],
                 args=[self.trainer, encode(settings), lo, "" if hi is None else hi,
                       "" if staleness is None else staleness, int(move), ttl_s, job_id,
-                      time.time(), *arrays, self._submitter.trainer_id], client=self.client.redis)
+                      time.time(), *arrays, self._submitter.trainer_id], client=self.redis)
         except BaseException:
             self._inflight.discard(job_id)
             raise
@@ -386,10 +387,10 @@ class Episodes:
             return await self._rejoin(episode_id, job_id)
         self._inflight.add(job_id)
         try:
-            reply = await self.client.scripts.episode_turn(
+            reply = await self.scripts.episode_turn(
                 keys=[key, self.keys.episodes, self.keys.episode_running(self._submitter.trainer_id)],
                 args=[self.trainer, job_id, self._submitter.trainer_id],
-                client=self.client.redis)
+                client=self.redis)
         except BaseException:
             self._inflight.discard(job_id)
             raise
@@ -430,23 +431,23 @@ class Episodes:
         return done
 
     async def _retired(self, version: int) -> bool:
-        latest = await self.client.registry.latest()
+        latest = await self.registry.latest()
         return (latest is not None and 0 < version < latest
-                and await self.client.registry.get(version) is None)
+                and await self.registry.get(version) is None)
 
     async def end(self, episode_id: str) -> Episode:
         """End the episode (no more turns; its version is no longer kept for it) and return it.
         A turn running now is discarded when it finishes (its `turn()` raises `ended`): the
         record returned is the episode's last."""
-        reply = await self.client.scripts.episode_end(keys=[self._key(episode_id), self.keys.episodes],
-                                                      args=[self.trainer], client=self.client.redis)
+        reply = await self.scripts.episode_end(keys=[self._key(episode_id), self.keys.episodes],
+                                                      args=[self.trainer], client=self.redis)
         if Reply(_text(reply)) is Reply.GONE:
             raise EpisodeError(episode_id, "unknown", "no such episode of this trainer (unknown, "
                                                       "or expired)")
         return await self.get(episode_id)
 
     async def get(self, episode_id: str) -> Episode:
-        record = await self.client.redis.hgetall(self._key(episode_id))
+        record = await self.redis.hgetall(self._key(episode_id))
         if not record or _text(record.get(EpisodeField.TRAINER.encode())) != self.trainer:
             raise EpisodeError(episode_id, "unknown", "no such episode of this trainer (unknown, "
                                                       "or expired)")
@@ -485,19 +486,19 @@ class Episodes:
             self._inflight.discard(job_id)
             # Freed only if the job is not queued (a lost reply may hide an enqueue that landed:
             # then its result, adopted by the router, ends the turn).
-            await self.client.scripts.episode_unsubmitted(
+            await self.scripts.episode_unsubmitted(
                 keys=[self.keys.episodes, self.keys.job(self._submitter.trainer_id, job_id),
                       *map(self._key, branches)], args=[job_id, f"not submitted: {e}"],
-                client=self.client.redis)
+                client=self.redis)
             raise
         self._inflight.discard(job_id)
         last = EpisodeField.LAST_TURN_JOB
         if n == 1 and not waiter.done() \
-                and await self.client.redis.hget(self._key(branches[0]), last) == job_id.encode():
+                and await self.redis.hget(self._key(branches[0]), last) == job_id.encode():
             # A turn sent again (its turn_id) whose first send's result was applied between
             # its episode_turn and now: no result will come for this call; the record has it.
             self._waiting.pop(job_id, None)
-            raw = await self.client.redis.hget(self._key(branches[0]), EpisodeField.LAST_TURN)
+            raw = await self.redis.hget(self._key(branches[0]), EpisodeField.LAST_TURN)
             added, sample, worker_id, version = msgspec.msgpack.decode(raw, type=_TurnRecord)
             return [Turn(episode_id, added, sample, worker_id, version)]
         result, applied = await waiter
@@ -527,7 +528,7 @@ class Episodes:
         if not worker or lo != hi:
             return None
         stream = self.keys.routed_work(self._submitter.trainer_id, worker, lo)
-        async with self.client.redis.pipeline(transaction=False) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.get(self.keys.worker(worker))
             pipe.xlen(stream)
             beat, routed = await pipe.execute()
@@ -552,8 +553,8 @@ class Episodes:
                      *_added(new_tokens, sample if served else None),
                      msgspec.msgpack.encode((new_tokens, sample, result.worker_id, version))
                      if served else b""]
-        return int(await self.client.scripts.episode_apply(
-            keys=[self.keys.episodes, *map(self._key, branches)], args=args, client=self.client.redis))
+        return int(await self.scripts.episode_apply(
+            keys=[self.keys.episodes, *map(self._key, branches)], args=args, client=self.redis))
 
     async def _route(self) -> None:
         try:
@@ -573,7 +574,7 @@ class Episodes:
         than the client's retries: the results read are kept and applied when it is back, never
         acknowledged before (a result acknowledged unapplied would be lost for good)."""
         unapplied: list[GroupResult] = []
-        delay, busy = 0.1, time.monotonic()
+        backoff, busy = Backoff(0.1, 2.0), time.monotonic()
         while not self._stopping:
             try:
                 if time.monotonic() - self._renewed >= self.owner_lease_s / 5 and not await self._hold():
@@ -584,7 +585,7 @@ class Episodes:
                 if unapplied or self._waiting or self._inflight:
                     busy = time.monotonic()
                 elif time.monotonic() - busy >= self.owner_lease_s and not await jobs.outstanding(
-                        self.client.redis, self.keys, self._submitter.trainer_id) \
+                        self.redis, self.keys, self._submitter.trainer_id) \
                         and not self._waiting and not self._inflight:
                     # Idle (nothing waits, nothing of this owner's is out): stop, and let the lease
                     # lapse (no await after this check: a call now restarts the router, re-taking
@@ -594,12 +595,11 @@ class Episodes:
                     await self._deliver(unapplied[0])
                     done = unapplied.pop(0)
                     await self._submitter.ack([done])
-                delay = 0.1
+                backoff.reset()
             except (RedisConnectionError, RedisTimeoutError) as e:
                 log.warning("episode results of %s: Redis unreachable (%s); retrying", self.owner, e)
-                self._submitter._reader.replay()  # a lost reply may have carried results
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                self._submitter.replay()  # a lost reply may have carried results
+                await backoff.sleep()
 
     async def _deliver(self, result: GroupResult) -> None:
         """Apply one result and wake its caller (a result applied before is a no-op)."""
@@ -629,11 +629,11 @@ class Episodes:
         branches = [episode]
         if first:  # the start's one group of n samples: branches <episode>.0 .. <episode>.(n-1)
             branches = []
-            while await self.client.redis.exists(self._key(f"{episode}.{len(branches)}")):
+            while await self.redis.exists(self._key(f"{episode}.{len(branches)}")):
                 branches.append(f"{episode}.{len(branches)}")
         if not branches:
             return False
-        record = await self.client.redis.hmget(self._key(branches[0]), EpisodeField.TURN_JOB,
+        record = await self.redis.hmget(self._key(branches[0]), EpisodeField.TURN_JOB,
                                                EpisodeField.STATE, EpisodeField.TOKENS)
         if _text(record[0]) != result.job_id or _text(record[1]) != EpisodeState.RUNNING:
             return False
@@ -666,7 +666,7 @@ class Episodes:
             freed = int(self._opened.result() or 0)
         while time.monotonic() < give_up:  # the router applies them; polled, not awaited: the
             # turns are another process's, known only by the derived trainer's counter
-            if not await jobs.outstanding(self.client.redis, self.keys, self._submitter.trainer_id):
+            if not await jobs.outstanding(self.redis, self.keys, self._submitter.trainer_id):
                 break
             await asyncio.sleep(0.1)
         return self._adopted - adopted + freed

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCHES = ("wire", "submit", "dispatch", "scale", "passthrough", "swap", "episodes")
 BEGIN, END = "<!-- rollq bench: begin -->", "<!-- rollq bench: end -->"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from rollq.chaos_episode_trainer import MARKER_BASE
+from rollq.harness.chaos.episode_trainer import MARKER_BASE
 from rollq.engine.instant import expected_tokens
 from rollq.protocol import pack_tokens
 

@@ -1,0 +1,128 @@
+"""Publishing weights from a trainer (`RolloutClient.publish_weights`): the source made safe from
+the trainer's next optimizer step (a state_dict packed into a staging buffer, a sharded model
+gathered, a PEFT adapter extracted), then its files written into the weight store and hashed,
+then the version committed (`registry/commit.py`, the step the gateway's publish shares), in the
+order the publishes were made."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+
+from rollq.protocol import InvalidInput, VersionEntry
+from rollq.queue.keys import Keys
+from rollq.registry.adapters import is_adapter_dir
+from rollq.registry.commit import commit_files
+from rollq.registry.sources import adapter_of, gathered, is_sharded, named_tensors
+from rollq.registry.staging import Staging
+from rollq.registry.store import WeightStore, adapter_files, digest_dir
+from rollq.registry.versions import Registry
+
+log = logging.getLogger("rollq.client")
+
+
+def _log_failed_publish(task: asyncio.Task) -> None:
+    """A background publish that failed is logged even if its caller never awaits its task."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("publish_weights (wait=False) failed: %s: %s", type(error).__name__, error)
+
+
+class Publisher:
+    """One trainer's publishes of one policy (see `RolloutClient.publish_weights`)."""
+
+    def __init__(self, redis: Redis, keys: Keys, registry: Registry, weight_store: str, trainer_id: str):
+        self.redis, self.keys, self.registry = redis, keys, registry
+        self.weight_store = weight_store
+        self.trainer_id = trainer_id
+        self._publishing: asyncio.Task | None = None
+        """The last publish started: the next one registers after it (versions in order)."""
+        self._staging = Staging()
+        """Host buffers a published state_dict is copied into, kept for the next publishes."""
+
+    async def settle(self) -> None:
+        """Until the last publish started has finished (or failed)."""
+        if self._publishing is not None:
+            await asyncio.wait([self._publishing])
+
+    async def publish(self, version: int, source: Any, *, copy: bool, keep: int | None, wait: bool,
+                      adapter_on: int | None):
+        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**62:
+            raise InvalidInput("version", f"version={version!r} must be an integer >= 0")
+        if adapter_on is not None:
+            await self._check_adapter_base(version, adapter_on, source)
+            if not isinstance(source, (str, os.PathLike)):
+                source = await asyncio.to_thread(adapter_of, source)
+        elif isinstance(source, (str, os.PathLike)) and is_adapter_dir(Path(source)):
+            raise InvalidInput("adapter_on", f"{source} is a LoRA adapter: publish it with "
+                                             "adapter_on=<the full version it applies on>")
+        elif not isinstance(source, (str, os.PathLike)):
+            if is_sharded(source):
+                source = await asyncio.to_thread(gathered, source)  # a collective: every rank
+                if source is None:  # not rank 0: rank 0 publishes
+                    return None
+            # The one copy the trainer waits for: its tensors into a staging buffer, laid out
+            # as the file; from here its optimizer may change them in place.
+            source = await asyncio.to_thread(self._pack, source)
+        task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy,
+                                                         keep, adapter_on))
+        self._publishing = task
+        if wait:
+            return await task
+        task.add_done_callback(_log_failed_publish)
+        return task
+
+    def _pack(self, source: Any):
+        return self._staging.pack(named_tensors(source))  # (a PEFT model is merged first)
+
+    async def _check_adapter_base(self, version: int, base: Any, source: Any) -> None:
+        if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < version:
+            raise InvalidInput("adapter_on", f"adapter_on={base!r} must be a full version below "
+                                             f"{version} (0: the model workers start with)")
+        if base > 0:
+            entry = await self.registry.get(base)
+            if entry is None or entry.kind != "full":
+                raise InvalidInput("adapter_on", f"adapter_on={base}: no full version {base} is "
+                                                 "registered (an adapter applies on full weights)")
+
+    async def _publish_in_turn(self, previous: asyncio.Task | None, version: int, source: Any,
+                               copy: bool, keep: int | None,
+                               adapter_on: int | None = None) -> VersionEntry:
+        if previous is not None:
+            await asyncio.wait([previous])  # its outcome is its own caller's to see
+        store = WeightStore(self.weight_store)
+        if adapter_on is None:
+            path, files, owned = await asyncio.to_thread(self._write_weights, store, version,
+                                                         source, copy)
+        else:
+            path, files = await asyncio.to_thread(self._write_adapter, store, version, source)
+            owned = True
+        return await commit_files(self.redis, self.keys, store, version, path, files, owned,
+                                  publisher=self.trainer_id, keep=keep, registry=self.registry,
+                                  adapter_on=adapter_on)
+
+    def _write_weights(self, store: WeightStore, version: int, source: Any, copy: bool):
+        policy = self.keys.policy
+        if isinstance(source, (str, os.PathLike)):
+            source = Path(source).resolve()
+            if not source.is_dir():
+                raise InvalidInput("source", f"{source} is not a directory of safetensors files")
+            if not copy:
+                return source, digest_dir(source), False
+            return *store.copy_dir(policy, version, source), True
+        try:  # a packed checkpoint (staging.Image)
+            return *store.write_image(policy, version, source), True
+        finally:
+            self._staging.give(source.buffer)
+
+    def _write_adapter(self, store: WeightStore, version: int, source: Any):
+        if isinstance(source, tuple):  # (tensors, config) of a PEFT model, copied already
+            return store.write_adapter(self.keys.policy, version, *source)
+        source = Path(source).resolve()
+        if not source.is_dir():
+            raise InvalidInput("source", f"{source} is not an adapter directory")
+        return store.copy_dir(self.keys.policy, version, source, adapter_files)
