@@ -201,13 +201,20 @@ async def stream_results(request: web.Request) -> web.StreamResponse:
         if not entries:
             await response.write(b": idle\n\n")  # also finds a client that has gone
             continue
-        for entry_id, result in entries:
-            data = await _encoded(msgspec.json.encode, entry_id, result)
-            biggest = max(biggest, len(data))
-            await response.write(b"id: %s\nevent: result\ndata: %s\n\n" % (entry_id.encode(), data))
-            del data
-        if auto_ack:
-            await reader.ack([e for e, _ in entries])
+        written: list[str] = []
+        try:
+            for entry_id, result in entries:
+                data = await _encoded(msgspec.json.encode, entry_id, result)
+                biggest = max(biggest, len(data))
+                await response.write(b"id: %s\nevent: result\ndata: %s\n\n" % (entry_id.encode(), data))
+                written.append(entry_id)
+                del data
+        finally:
+            if auto_ack and written:
+                # At most once: what was written is acknowledged even when the client's
+                # disconnect cancels this handler meanwhile (it did, mid-ack, on a loaded machine,
+                # and the written result came again).
+                await asyncio.shield(reader.ack(written))
 
 
 _RESULT_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
