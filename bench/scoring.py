@@ -5,7 +5,7 @@ same run against the same instant-engine worker process and a private redis-serv
     python bench/scoring.py [--groups 2000] [--n 4] [--processes 2]
 
 A ratio, not a target: the 2 cores are shared by the worker, the scorer, its children, Redis
-and this trainer. Not yet listed in `rollq bench` (rollq/harness/bench.py).
+and this trainer. `rollq bench scoring` runs it and renders its table (rollq/harness/bench.py).
 """
 
 from __future__ import annotations
