@@ -42,6 +42,7 @@ async def delivered_per_s(client: RolloutClient, groups: int, n: int, reward: st
 
 
 async def main(groups: int, n: int, processes: int) -> dict:
+    load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisProcess(Path(tmp) / "redis", aof=False).start()
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
@@ -68,7 +69,8 @@ async def main(groups: int, n: int, processes: int) -> dict:
     return {"groups": groups, "n": n, "processes": processes, "plain_groups_per_s": plain,
             "sync_noop_groups_per_s": sync, "async_noop_groups_per_s": async_,
             "sync_overhead_ms_per_group": 1000 * (1 / sync - 1 / plain),
-            "async_overhead_ms_per_group": 1000 * (1 / async_ - 1 / plain)}
+            "async_overhead_ms_per_group": 1000 * (1 / async_ - 1 / plain),
+            "load": [load_at_start, os.getloadavg()[0]]}
 
 
 if __name__ == "__main__":

@@ -197,8 +197,12 @@ def _scoring(r: dict) -> list[str]:
             f"{r['sync_overhead_ms_per_group']:.2f} ms |",
             f"| async no-op (scorer's loop) | {r['async_noop_groups_per_s']:,.0f} | "
             f"{r['async_overhead_ms_per_group']:.2f} ms |"]
-    return rows + ["", "A ratio, not a target: the worker, the scorer, its children, Redis and the trainer "
-                       "share the 2 cores."]
+    rows += ["", "A ratio, not a target: the worker, the scorer, its children, Redis and the trainer "
+                 "share the 2 cores."]
+    if r.get("load"):
+        rows[-1] += (f" Load average (1 min) {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end "
+                     "(other sessions' runs share them).")
+    return rows
 
 
 def _probe_ms(a: dict) -> str:
