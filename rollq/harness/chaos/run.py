@@ -244,12 +244,16 @@ async def _publisher(run: _Run, client: RolloutClient, until: float) -> None:
 async def _faults(run: _Run, until: float) -> None:
     admin = connect(run.redis.url)
     deck: list[str] = []
+    rounds = 0
     try:
-        while time.monotonic() < until:
+        # The first round is dealt in full even past `until` (a loaded machine stretches it):
+        # every run, the shortest too, sees every kind.
+        while time.monotonic() < until or (rounds == 1 and deck):
             await asyncio.sleep(run.rng.uniform(0.5, 3.0))
-            if not deck:  # each kind once per round, in random order: short runs see every kind
+            if not deck:  # each kind once per round, in random order
                 deck = [k for k in FAULTS if run.scorers or not k.startswith("scorer")]
                 run.rng.shuffle(deck)
+                rounds += 1
             kind = deck.pop()
             run.faults[kind] += 1
             if kind == "trainer_sigkill":
