@@ -243,17 +243,16 @@ async def _publisher(run: _Run, client: RolloutClient, until: float) -> None:
 
 async def _faults(run: _Run, until: float) -> None:
     admin = connect(run.redis.url)
+    kinds = [k for k in FAULTS if run.scorers or not k.startswith("scorer")]
     deck: list[str] = []
-    rounds = 0
     try:
-        # The first round is dealt in full even past `until` (a loaded machine stretches it):
-        # every run, the shortest too, sees every kind.
-        while time.monotonic() < until or (rounds == 1 and deck):
+        # Every kind is dealt once even past `until` (a loaded machine stretches a round): every
+        # run, the shortest too, sees every kind.
+        while time.monotonic() < until or not set(kinds) <= set(run.faults):
             await asyncio.sleep(run.rng.uniform(0.5, 3.0))
             if not deck:  # each kind once per round, in random order
-                deck = [k for k in FAULTS if run.scorers or not k.startswith("scorer")]
+                deck = list(kinds)
                 run.rng.shuffle(deck)
-                rounds += 1
             kind = deck.pop()
             run.faults[kind] += 1
             if kind == "trainer_sigkill":
@@ -303,6 +302,8 @@ async def chaos(s: ChaosSettings) -> Summary:
             run.spawn_trainer()
             client = RolloutClient(run.redis.url, policy=POLICY, trainer_id="trainer",
                                    weight_store=str(workdir / "weights"), reconnect_s=120)
+            import torch  # noqa: F401 (the publisher's; seconds on a loaded machine: not on the clock)
+
             await _scorers_offer(client, s.scorers)
             until = time.monotonic() + s.minutes * 60
             done = asyncio.Event()
