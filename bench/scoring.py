@@ -5,7 +5,7 @@ same run against the same instant-engine worker process and a private redis-serv
     python bench/scoring.py [--groups 2000] [--n 4] [--processes 2]
 
 A ratio, not a target: the 2 cores are shared by the worker, the scorer, its children, Redis
-and this trainer. Not yet listed in `rollq bench` (rollq/harness/bench.py).
+and this trainer. `rollq bench scoring` runs it and renders its table (rollq/harness/bench.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ async def delivered_per_s(client: RolloutClient, groups: int, n: int, reward: st
 
 
 async def main(groups: int, n: int, processes: int) -> dict:
+    load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisProcess(Path(tmp) / "redis", aof=False).start()
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
@@ -68,7 +69,8 @@ async def main(groups: int, n: int, processes: int) -> dict:
     return {"groups": groups, "n": n, "processes": processes, "plain_groups_per_s": plain,
             "sync_noop_groups_per_s": sync, "async_noop_groups_per_s": async_,
             "sync_overhead_ms_per_group": 1000 * (1 / sync - 1 / plain),
-            "async_overhead_ms_per_group": 1000 * (1 / async_ - 1 / plain)}
+            "async_overhead_ms_per_group": 1000 * (1 / async_ - 1 / plain),
+            "load": [load_at_start, os.getloadavg()[0]]}
 
 
 if __name__ == "__main__":

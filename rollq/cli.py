@@ -384,17 +384,21 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
 @click.option("--episodes", is_flag=True,
               help="Multi-turn episodes (n branches; one trainer through the gateway) under trainer, "
                    "gateway, worker and Redis kills; every served turn looked for in its record.")
+@click.option("--scorers", type=int, default=None,
+              help="The queue run: `rollq scorer` processes (killed and frozen too) scoring a third "
+                   "of the jobs; 0: no scored jobs [default: 2].")
 @click.option("--seed", type=int, default=None, help="Random seed (printed; default: random).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the summary here.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="--episodes: keep the journals, the processes' logs and Redis's data here "
                    "[default: a temporary directory, removed].")
-def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, seed: int | None,
-          json_path: str | None, workdir: str | None) -> None:
-    """Random worker kills and freezes, Redis restarts and killed connections while a trainer
-    submits and publishes (or, with --weights, weight faults); exits non-zero if any group was
-    lost or delivered twice (--weights: or any token was labelled with the wrong version;
+def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, scorers: int | None,
+          seed: int | None, json_path: str | None, workdir: str | None) -> None:
+    """Random worker and scorer kills and freezes, Redis restarts and killed connections while a
+    trainer submits (a third of its jobs scored) and publishes (or, with --weights, weight
+    faults); exits non-zero if any group was lost or delivered twice or a scored one came with a
+    wrong reward (--weights: or any token was labelled with the wrong version;
     --episodes: or any turn was lost, applied twice, or left an episode running)."""
     import msgspec
 
@@ -403,6 +407,11 @@ def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, se
         raise click.BadParameter("minutes must be in (0, 1440] and workers in [1, 64]")
     if weights and episodes:
         raise click.BadParameter("--weights and --episodes are two runs: give one")
+    if scorers is not None and (weights or episodes):
+        raise click.BadParameter("--scorers is the queue run's (without --weights or --episodes)")
+    scorers = 2 if scorers is None else scorers
+    if not 0 <= scorers <= 16:
+        raise click.BadParameter(f"scorers={scorers} must be in [0, 16]")
     if episodes:
         from rollq.harness.chaos.episodes import EpisodeChaosSettings, chaos_episodes
         from rollq.harness.chaos.episodes import render as render_episodes
@@ -423,7 +432,8 @@ def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, se
         from rollq.harness.chaos.run import ChaosSettings, render
         from rollq.harness.chaos.run import chaos as run_chaos
 
-        summary = asyncio.run(run_chaos(ChaosSettings(minutes=minutes, workers=workers, seed=seed)))
+        summary = asyncio.run(run_chaos(ChaosSettings(minutes=minutes, workers=workers, scorers=scorers,
+                                                      seed=seed)))
         render(summary)
     if json_path:
         Path(json_path).write_bytes(msgspec.json.format(msgspec.json.encode(summary)))

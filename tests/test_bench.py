@@ -30,3 +30,18 @@ def test_quick_benchmarks_run_and_render_with_targets(tmp_path, monkeypatch):
     assert "Target: rollq >= 3x faster than json" in tables
     assert "| 1,000 |" in tables and "claim + finish" in tables  # the depth rows
     assert tables.count("target") + tables.count("Target") >= 3
+
+
+def test_scoring_benchmark_runs_and_renders(tmp_path, monkeypatch):
+    """`rollq bench scoring`: listed, and bench/scoring.py (tiny: a real worker, scorer and Redis)
+    writes the JSON its table is rendered from."""
+    assert "scoring" in bench.BENCHES
+    monkeypatch.setenv("ROLLQ_BENCH_RESULTS", str(tmp_path / "results"))
+    subprocess.run([sys.executable, str(ROOT / "bench" / "scoring.py"), "--groups", "40", "--n", "2",
+                    "--processes", "1"], check=True, cwd=ROOT, timeout=180, capture_output=True)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\n{bench.BEGIN}\n{bench.END}\n")
+    bench.update_doc(doc)
+    tables = doc.read_text()
+    assert "### scoring" in tables and "| sync no-op (child process) |" in tables
+    assert "| async no-op (scorer's loop) |" in tables and "40 groups (n=2)" in tables

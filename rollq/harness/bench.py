@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHES = ("wire", "submit", "dispatch", "scale", "passthrough", "swap", "episodes")
+BENCHES = ("wire", "submit", "dispatch", "scale", "passthrough", "swap", "episodes", "scoring")
 BEGIN, END = "<!-- rollq bench: begin -->", "<!-- rollq bench: end -->"
 
 
@@ -186,13 +186,32 @@ def episodes_table(r: dict) -> list[str]:
     return rows
 
 
+def _scoring(r: dict) -> list[str]:
+    rows = [f"{r['groups']:,} groups (n={r['n']}) end to end per row, one instant-engine worker, one "
+            f"`rollq scorer` with {r['processes']} child processes for sync rewards; a no-op reward, "
+            "so what is priced is scoring's own path (the scoring stream, the scorer's claim, the "
+            "reward call, the second finish).", "",
+            "| reward | groups/s | added per group |", "|---|---|---|",
+            f"| none | {r['plain_groups_per_s']:,.0f} | – |",
+            f"| sync no-op (child process) | {r['sync_noop_groups_per_s']:,.0f} | "
+            f"{r['sync_overhead_ms_per_group']:.2f} ms |",
+            f"| async no-op (scorer's loop) | {r['async_noop_groups_per_s']:,.0f} | "
+            f"{r['async_overhead_ms_per_group']:.2f} ms |"]
+    rows += ["", "A ratio, not a target: the worker, the scorer, its children, Redis and the trainer "
+                 "share the 2 cores."]
+    if r.get("load"):
+        rows[-1] += (f" Load average (1 min) {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end "
+                     "(other sessions' runs share them).")
+    return rows
+
+
 def _probe_ms(a: dict) -> str:
     return f", the probe's one token {a['generation_s'] * 1000:.1f} ms" if "generation_s" in a else ""
 
 
 _RENDER = {"wire": _wire, "submit": _submit, "dispatch": _dispatch, "scale": _scale,
            "passthrough": _passthrough, "swap": _swap,
-           "episodes": episodes_table}
+           "episodes": episodes_table, "scoring": _scoring}
 
 
 def results_dir() -> Path:

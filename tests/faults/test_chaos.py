@@ -15,8 +15,13 @@ def test_short_chaos_run_loses_and_doubles_nothing(tmp_path):
     summary = json.loads(out.read_text())
     assert summary["lost"] == 0 and summary["duplicated"] == 0 and summary["quota_drift"] == 0
     # Every kind of fault happened, the trainer's included (killed; broke out of results()).
-    assert set(summary["faults"]) == {"worker_sigkill", "worker_sigstop", "redis_restart",
-                                      "client_kill", "trainer_sigkill", "results_break"}
+    assert set(summary["faults"]) == {"worker_sigkill", "worker_sigstop", "scorer_sigkill", "scorer_sigstop",
+                                      "redis_restart", "client_kill", "trainer_sigkill", "results_break"}
     assert summary["trainer_exits"] == 0
     assert summary["delivered"] == summary["submitted_groups"] > 200
     assert sum(summary["faults"].values()) >= 5 and summary["versions_published"] >= 3
+    # Scored jobs (issue 30) through killed and frozen scorers: each scored group once (counted
+    # above with the rest), each `ok` one with exactly the rewards recomputed from its samples.
+    assert summary["scored_delivered"] == summary["scored_groups"] > 20
+    assert summary["rewards_wrong"] == 0 and summary["rewards_unchecked"] == 0
+    assert summary["rewards_right"] > 20 and summary["faults"]["scorer_sigkill"] >= 1

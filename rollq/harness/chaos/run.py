@@ -1,15 +1,24 @@
 """`rollq chaos`: minutes of random faults against a private durable Redis and instant-engine
 worker processes while a trainer submits, reads and publishes; then count what came back.
 
-Faults: worker SIGKILL (a replacement starts), worker SIGSTOP for a few seconds, Redis SIGKILL
-and restart (AOF, fsync always), killed client connections, and trainer SIGKILL (restarted with
-the same trainer id). The results are read by a trainer process (`rollq/harness/chaos/trainer.py`) that
+Faults: worker SIGKILL (a replacement starts), worker SIGSTOP for a few seconds, the same two
+for the `rollq scorer` processes, Redis SIGKILL and restart (AOF, fsync always), killed client
+connections, and trainer SIGKILL (restarted with the same trainer id).
+The results are read by a trainer process (`rollq/harness/chaos/trainer.py`) that
 breaks out of `results()` at random, commits what it trained on to a log (fsync) and only then
 acknowledges. Every `publish_every_s` the runner publishes a new weight version, which the
 workers swap to. At the end every acknowledged submit's groups must be in the trainer's
 committed log exactly once, and the quota must not drift (`outstanding` equals the results not
 acknowledged): the summary says submitted / delivered / duplicated / lost / quota drift, and the
 exit code is non-zero on any of them.
+
+Every third job is scored (`reward=`, alternately the sync and the async reward of
+`rollq/harness/chaos/rewards.py`, functions of the token ids the trainer recomputes): each of
+its groups must reach the committed log once like any other, and each `ok` one with exactly the
+recomputed rewards (the summary's `rewards_wrong`, and `rewards_unchecked` for a scored group
+logged without a verdict). A scored submit refused because no live scorer offered the reward at
+that instant (one scorer killed, the other frozen past its heartbeat) is not acknowledged and is
+counted, not an error.
 """
 
 from __future__ import annotations
@@ -31,13 +40,17 @@ import msgspec
 from redis.exceptions import RedisError
 from rich.console import Console
 
+from rollq.harness.chaos.rewards import ASYNC, SYNC
 from rollq.harness.chaos.trainer import POLICY
 from rollq.client import RolloutClient
 from rollq.harness.faults import RedisProcess
+from rollq.protocol import InvalidInput
 from rollq.queue.connection import connect
 from rollq.children import reap_group, stop_children
+from rollq.scoring.records import live_scorers, on_offer
 
-FAULTS = ("worker_sigkill", "worker_sigstop", "redis_restart", "client_kill", "trainer_sigkill")
+FAULTS = ("worker_sigkill", "worker_sigstop", "scorer_sigkill", "scorer_sigstop", "redis_restart",
+          "client_kill", "trainer_sigkill")
 console = Console()
 
 
@@ -45,6 +58,7 @@ console = Console()
 class ChaosSettings:
     minutes: float = 3.0
     workers: int = 3
+    scorers: int = 2
     seed: int | None = None
     publish_every_s: float = 5.0
     settle_s: float = 180.0
@@ -66,10 +80,23 @@ class Summary(msgspec.Struct):
     """`outstanding` minus the results left unacknowledged in the stream, at the end."""
     trainer_exits: int = 0
     """Times the trainer process ended without being killed (restarted; its log says why)."""
+    scored_groups: int = 0
+    """Groups of acknowledged scored submits (among `submitted_groups`)..."""
+    scored_delivered: int = 0
+    """...of which in the trainer's committed log..."""
+    rewards_right: int = 0
+    """...`ok` with every reward exactly the chaos reward of its samples..."""
+    rewards_wrong: int = 0
+    """...`ok` with a reward missing or other than that..."""
+    rewards_unchecked: int = 0
+    """...logged without the trainer's verdict (must be none)."""
+    scored_refused: int = 0
+    """Scored submits refused: no live scorer offered the reward then (not acknowledged)."""
 
     @property
     def ok(self) -> bool:
-        return self.lost == 0 and self.duplicated == 0 and self.quota_drift == 0
+        return (self.lost == 0 and self.duplicated == 0 and self.quota_drift == 0
+                and self.rewards_wrong == 0 and self.rewards_unchecked == 0)
 
 
 @dataclass
@@ -79,8 +106,12 @@ class _Run:
     redis: RedisProcess
     rng: random.Random
     workers: list[subprocess.Popen] = field(default_factory=list)
+    scorers: list[subprocess.Popen] = field(default_factory=list)
     acknowledged: dict[str, int] = field(default_factory=dict)
-    """job id -> groups, for every submit that returned."""
+    """job id -> groups, for every submit that returned (scored jobs' ids start with `s`)."""
+    verdicts: dict = field(default_factory=dict)
+    """(job, group) -> the trainer's verdict on a scored group's rewards (`right`, `wrong`, `unscored`)."""
+    scored_refused: int = 0
     seen: Counter = field(default_factory=Counter)
     """(job, group) -> times in the trainer's committed log."""
     doubled: set = field(default_factory=set)
@@ -128,6 +159,9 @@ class _Run:
                 for job, group, status in (item.split("/") for item in items):
                     self.seen[(job, int(group))] += 1
                     self.statuses[status] += 1
+            elif kind == "rewards":
+                for job, group, verdict in (item.split("/") for item in items):
+                    self.verdicts[(job, int(group))] = verdict
             elif kind == "dup":
                 self.doubled.update((job, int(group)) for job, group in (i.split("/") for i in items))
 
@@ -142,8 +176,19 @@ class _Run:
             env=os.environ | {"COLUMNS": "200"}))
         log.close()
 
+    def spawn_scorer(self) -> None:
+        self.spawned += 1
+        log = open(self.workdir / f"scorer-{self.spawned}.log", "w")  # noqa: SIM115 (child keeps it)
+        self.scorers.append(subprocess.Popen(
+            [sys.executable, "-m", "rollq", "scorer", "--redis-url", self.redis.url, "--policy", POLICY,
+             "--rewards", "rollq.harness.chaos.rewards", "--processes", "1", "--lease-s", "3",
+             "--max-inflight", "16", "--grace-s", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=os.environ | {"COLUMNS": "200"}))
+        log.close()
+
     def stop_workers(self) -> None:
-        stop_children(self.workers, 15)
+        stop_children(self.workers + self.scorers, 15)
 
 
 async def _submitter(run: _Run, client: RolloutClient, until: float) -> None:
@@ -152,8 +197,19 @@ async def _submitter(run: _Run, client: RolloutClient, until: float) -> None:
         groups = run.rng.randint(1, 20)
         job_id = f"c{index}"
         window = {"max_staleness": 2} if index % 2 else {}
-        await client.submit([[index % 1000 + 1, g + 1] for g in range(groups)], n=2,
-                            sampling={"max_tokens": 4}, job_id=job_id, **window)
+        scored = {}
+        if index % 3 == 2 and run.settings.scorers:
+            job_id = f"s{index}"  # the group index is its reward input: the trainer recomputes it
+            scored = {"reward": SYNC if index % 2 else ASYNC, "reward_inputs": list(range(groups))}
+        try:
+            await client.submit([[index % 1000 + 1, g + 1] for g in range(groups)], n=2,
+                                sampling={"max_tokens": 4}, job_id=job_id, **window, **scored)
+        except InvalidInput as e:
+            if not scored or e.field != "reward":
+                raise
+            run.scored_refused += 1  # every scorer dead or frozen past its heartbeat just now
+            index += 1
+            continue
         run.acknowledged[job_id] = groups
         index += 1
         await asyncio.sleep(run.rng.uniform(0.0, 0.05))
@@ -187,12 +243,15 @@ async def _publisher(run: _Run, client: RolloutClient, until: float) -> None:
 
 async def _faults(run: _Run, until: float) -> None:
     admin = connect(run.redis.url)
+    kinds = [k for k in FAULTS if run.scorers or not k.startswith("scorer")]
     deck: list[str] = []
     try:
-        while time.monotonic() < until:
-            await asyncio.sleep(run.rng.uniform(1.0, 4.0))
-            if not deck:  # each kind once per round, in random order: short runs see every kind
-                deck = list(FAULTS)
+        # Every kind is dealt once even past `until` (a loaded machine stretches a round): every
+        # run, the shortest too, sees every kind.
+        while time.monotonic() < until or not set(kinds) <= set(run.faults):
+            await asyncio.sleep(run.rng.uniform(0.5, 3.0))
+            if not deck:  # each kind once per round, in random order
+                deck = list(kinds)
                 run.rng.shuffle(deck)
             kind = deck.pop()
             run.faults[kind] += 1
@@ -205,6 +264,17 @@ async def _faults(run: _Run, until: float) -> None:
                 victim.wait()
                 reap_group(victim.pid)
                 run.spawn_worker()
+            elif kind == "scorer_sigkill":
+                victim = run.scorers.pop(run.rng.randrange(len(run.scorers)))
+                victim.kill()
+                victim.wait()
+                reap_group(victim.pid)  # its reward child (PR_SET_PDEATHSIG ends it anyway)
+                run.spawn_scorer()
+            elif kind == "scorer_sigstop":
+                victim = run.rng.choice(run.scorers)
+                victim.send_signal(signal.SIGSTOP)
+                await asyncio.sleep(run.rng.uniform(1.0, 5.0))
+                victim.send_signal(signal.SIGCONT)
             elif kind == "worker_sigstop":
                 victim = run.rng.choice(run.workers)
                 victim.send_signal(signal.SIGSTOP)
@@ -227,12 +297,17 @@ async def chaos(s: ChaosSettings) -> Summary:
         try:
             for _ in range(s.workers):
                 run.spawn_worker()
+            for _ in range(s.scorers):
+                run.spawn_scorer()
             run.spawn_trainer()
             client = RolloutClient(run.redis.url, policy=POLICY, trainer_id="trainer",
                                    weight_store=str(workdir / "weights"), reconnect_s=120)
+            import torch  # noqa: F401 (the publisher's; seconds on a loaded machine: not on the clock)
+
+            await _scorers_offer(client, s.scorers)
             until = time.monotonic() + s.minutes * 60
             done = asyncio.Event()
-            console.print(f"chaos: {s.minutes:g} min, {s.workers} workers, seed {seed}")
+            console.print(f"chaos: {s.minutes:g} min, {s.workers} workers, {s.scorers} scorers, seed {seed}")
             watching = asyncio.create_task(_watch_trainer(run, done))
             await asyncio.gather(_submitter(run, client, until), _publisher(run, client, until),
                                  _faults(run, until))
@@ -256,12 +331,30 @@ async def chaos(s: ChaosSettings) -> Summary:
             run.stop_workers()
             run.redis.stop()
     doubled = {k for k, c in run.seen.items() if c > 1} | run.doubled
+    scored = {k for k in expected if k[0].startswith("s")}
+    delivered_scored = scored & set(run.seen)
+    verdicts = Counter(run.verdicts.get(k, "none") for k in delivered_scored)
     return Summary(
         minutes=s.minutes, seed=seed, submitted_jobs=len(run.acknowledged),
         submitted_groups=len(expected), delivered=len(expected & set(run.seen)),
         duplicated=len(doubled), lost=len(expected - set(run.seen)), statuses=dict(run.statuses),
         faults=dict(run.faults), versions_published=run.versions - run.failed_publishes, quota_drift=drift,
-        trainer_exits=run.trainer_exits)
+        trainer_exits=run.trainer_exits, scored_groups=len(scored), scored_delivered=len(delivered_scored),
+        rewards_right=verdicts["right"], rewards_wrong=verdicts["wrong"],
+        rewards_unchecked=verdicts["none"], scored_refused=run.scored_refused)
+
+
+async def _scorers_offer(client: RolloutClient, scorers: int, timeout_s: float = 60.0) -> None:
+    """Wait until the scorers are up and offer both chaos rewards (a scored submit is refused
+    before), so that the run's minutes are spent under faults, not starting."""
+    give_up = time.monotonic() + timeout_s
+    while scorers:
+        live = await live_scorers(client.redis, client.keys)
+        if len(live) >= scorers and {SYNC, ASYNC} <= set(on_offer(live)):
+            return
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"the chaos scorers did not come up in {timeout_s:g} s (scorer-*.log)")
+        await asyncio.sleep(0.1)
 
 
 async def _quota_drift(client: RolloutClient) -> int:
@@ -308,3 +401,6 @@ def render(summary: Summary) -> None:
     console.print(f"jobs {summary.submitted_jobs}; results by status {summary.statuses}; faults "
                   f"{summary.faults}; versions published {summary.versions_published}; trainer exits "
                   f"{summary.trainer_exits}; seed {summary.seed}")
+    console.print(f"scored groups {summary.scored_groups}, delivered {summary.scored_delivered}; rewards "
+                  f"right {summary.rewards_right}, wrong {summary.rewards_wrong}, unchecked "
+                  f"{summary.rewards_unchecked}; scored submits refused {summary.scored_refused}")

@@ -8,7 +8,11 @@ commit), so a restarted trainer skips (and acknowledges) results it trained on a
 Log lines are `<kind> <item> ...`: `step-take` / `step-break` (committed, items
 `job/group/status`), `replayed` (handed again after a restart, committed before: skipped),
 `acked`, and `dup`: what must never happen, a result handed twice to one life of the process or
-handed again after it was acknowledged.
+handed again after it was acknowledged. Scored jobs (ids `s...`) add `rewards` (committed with
+the step, items `job/group/verdict`): `right` when an `ok` group's rewards are each exactly the
+chaos reward recomputed from its samples (`rollq/harness/chaos/rewards.py`), `wrong` when not
+(a missing, stale or other reward, or a reward error), `unscored` for a group that ended
+otherwise (its status is in the step line).
 
     python -m rollq.harness.chaos.trainer REDIS_URL LOG SEED
 """
@@ -22,6 +26,7 @@ import sys
 from pathlib import Path
 
 from rollq.client import RolloutClient
+from rollq.harness.chaos.rewards import ASYNC, SYNC, expected
 from rollq.protocol import GroupResult
 
 POLICY = "chaos"
@@ -40,6 +45,20 @@ def repair(path: Path) -> list[str]:
             f.truncate(keep)
             os.fsync(f.fileno())
     return data[:keep].decode().splitlines()
+
+
+def is_scored(job_id: str) -> bool:
+    return job_id.startswith("s")
+
+
+def verdict(result: GroupResult) -> str:
+    """A scored group's rewards against the chaos reward recomputed from its own samples."""
+    if result.status != "ok":
+        return "unscored"
+    want = [expected(s.token_ids, i, result.group_index) for i, s in enumerate(result.samples)]
+    right = (result.rewards == want and result.reward in (SYNC, ASYNC) and result.reward_version == "1"
+             and not any(result.reward_errors) and result.scorer_id != "" and len(want) > 0)
+    return "right" if right else "wrong"
 
 
 def group_key(item: str) -> str:
@@ -78,8 +97,12 @@ async def train(url: str, log: Path, seed: int) -> None:
             kind, batch = await next_step(client, rng)
             keys = [f"{r.job_id}/{r.group_index}" for r in batch]
             new = [f"{k}/{r.status}" for k, r in zip(keys, batch) if k not in trained]
-            lines = [("dup", [k for k in keys if k in handed or k in acked]), (kind, new),
-                     ("replayed", [k for k in keys if k in trained])]
+            scored = [f"{k}/{verdict(r)}" for k, r in zip(keys, batch)
+                      if k not in trained and is_scored(r.job_id)]
+            # The verdicts before the step: a torn record loses the step too, so its groups come
+            # back and are judged again (a verdict is kept per group, the last one counts).
+            lines = [("dup", [k for k in keys if k in handed or k in acked]), ("rewards", scored),
+                     (kind, new), ("replayed", [k for k in keys if k in trained])]
             record = "".join(f"{name} {' '.join(items)}\n" for name, items in lines if items)
             if record:
                 os.write(fd, record.encode())
