@@ -266,19 +266,24 @@ def gateway(policies: tuple[str, ...] | None, weight_store: str | None,
 @click.option("--max-inflight", default=16, show_default=True, help="Groups scored at once.")
 @click.option("--lease-s", default=30.0, show_default=True)
 @click.option("--grace-s", default=10.0, show_default=True, help="Shutdown: time to finish held groups.")
+@click.option("--max-deliveries", type=int, default=None,
+              help="Deliveries before a group fails. Default: 5 (scoring.scorer.MAX_DELIVERIES: why).")
 def scorer(redis_url: str, policy: str, target: str, scorer_id: str | None, processes: int,
-           max_inflight: int, lease_s: float, grace_s: float) -> None:
+           max_inflight: int, lease_s: float, grace_s: float, max_deliveries: int | None) -> None:
     """Score generated groups of scored jobs with the operator's reward functions."""
     from rollq.protocol import check_id
-    from rollq.scoring.scorer import serve
+    from rollq.scoring.scorer import MAX_DELIVERIES, serve
 
+    max_deliveries = MAX_DELIVERIES if max_deliveries is None else max_deliveries
     for name, value, low in (("processes", processes, 1), ("max_inflight", max_inflight, 1),
-                             ("lease_s", lease_s, 1.0), ("grace_s", grace_s, 0.0)):
+                             ("lease_s", lease_s, 1.0), ("grace_s", grace_s, 0.0),
+                             ("max_deliveries", max_deliveries, 1)):
         if value < low:
             raise click.BadParameter(f"{name}={value} must be >= {low}")
     scorer_id = check_id("scorer_id", scorer_id or default_worker_id())
     asyncio.run(serve(redis_url, check_id("policy", policy), target, scorer_id=scorer_id,
-                      processes=processes, max_inflight=max_inflight, lease_s=lease_s, grace_s=grace_s))
+                      processes=processes, max_inflight=max_inflight, lease_s=lease_s, grace_s=grace_s,
+                      max_deliveries=max_deliveries))
 
 
 @main.command()

@@ -36,12 +36,18 @@ log = logging.getLogger("rollq.scorer")
 
 STREAMS_REFRESH_S = 2.0
 BLOCK_MS = 500
+# Generation's cap is 3: there a group that takes its worker down (an engine crash) must not take
+# the pool down with it. A reward cannot take a scorer down (it runs in a child process or under a
+# timeout), so a scored group's lapsed leases are the pool's faults (scorer deaths, a Redis restart
+# lapses every held lease at once), and the cap only stops a group that stalls every scorer's loop
+# (an async reward that blocks it). 5 outlives three scorer kills and a Redis restart on one group.
+MAX_DELIVERIES = 5
 
 
 class Scorer:
     def __init__(self, redis: Redis, keys: Keys, rewards: dict[str, Reward], pool: ChildPool, *,
                  scorer_id: str, max_inflight: int = 16, lease_s: float = 30.0,
-                 max_deliveries: int = 3, job_ttl_s: int = 86_400, grace_s: float = 10.0):
+                 max_deliveries: int = MAX_DELIVERIES, job_ttl_s: int = 86_400, grace_s: float = 10.0):
         self.redis, self.keys, self.rewards, self.pool = redis, keys, rewards, pool
         self.scorer_id, self.max_inflight, self.lease_s = scorer_id, max_inflight, lease_s
         self.max_deliveries, self.grace_s = max_deliveries, grace_s
@@ -268,7 +274,8 @@ def _uniform(rewards: list[float | None]) -> bool:
 
 
 async def serve(redis_url: str, policy: str, target: str, *, scorer_id: str, processes: int,
-                max_inflight: int, lease_s: float, grace_s: float) -> None:
+                max_inflight: int, lease_s: float, grace_s: float,
+                max_deliveries: int = MAX_DELIVERIES) -> None:
     """Run one scorer until SIGTERM/SIGINT."""
     import signal
 
@@ -278,7 +285,8 @@ async def serve(redis_url: str, policy: str, target: str, *, scorer_id: str, pro
     rewards = find_rewards(target)
     redis = connect(redis_url)
     scorer = Scorer(redis, Keys(policy), rewards, ChildPool(target, processes), scorer_id=scorer_id,
-                    max_inflight=max_inflight, lease_s=lease_s, grace_s=grace_s)
+                    max_inflight=max_inflight, lease_s=lease_s, grace_s=grace_s,
+                    max_deliveries=max_deliveries)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, scorer.stop)

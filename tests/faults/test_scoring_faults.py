@@ -5,11 +5,13 @@ left in or pending on the scoring stream. Generation by instant-engine worker pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 
 import scoring_fixtures
 import scoring_rewards
+from redis.exceptions import ResponseError
 
 from rollq.scoring import Completion
 from rollq.scoring.records import live_scorers
@@ -67,3 +69,41 @@ async def test_scorer_sigkills_and_a_redis_restart_score_every_group_once(
     stream = client.keys.scoring("trainer")
     assert await redis.xlen(stream) == 0
     assert (await redis.xpending(stream, "workers"))["pending"] == 0
+
+
+async def test_a_group_outlives_four_lapsed_leases(make_client, spawn_worker, spawn_scorer, redis):
+    """The previous test's faults, all landing on one group: its lease lapses four times (three
+    holders SIGKILLed and a Redis restart, which lapses a held lease when another scorer reclaims
+    it before its holder renews; here four kills, which always lapse it). A reward cannot take a
+    scorer down (it runs in a child process or under a timeout), so these lapses are the pool's
+    faults, not the group's: the fifth delivery still scores it (generation's cap is 3)."""
+    spawn_worker(instant_delay_s=0.0, lease_s=2.0)
+    client = make_client()
+    stream = client.keys.scoring("trainer")
+    holding = dict(SCORER, env={"ROLLQ_TEST_SLOW_S": "600"})  # a victim never finishes the group
+
+    async def delivered(times: int) -> None:
+        give_up = asyncio.get_running_loop().time() + 60
+        while asyncio.get_running_loop().time() < give_up:
+            pending = []
+            with contextlib.suppress(ResponseError):  # NOGROUP: no group finished generating yet
+                pending = await redis.xpending_range(stream, "workers", "-", "+", 1)
+            if pending and pending[0]["times_delivered"] >= times:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"the group was not delivered {times} times")
+
+    victim = spawn_scorer(**holding)
+    while not await live_scorers(client.redis, client.keys):
+        await asyncio.sleep(0.1)
+    await client.submit([[1]], n=2, sampling={"max_tokens": 2}, job_id="scored", reward="slow",
+                        reward_inputs=[0])
+    for kill in range(4):
+        victim = victim or spawn_scorer(**holding)
+        await delivered(kill + 1)
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait()
+        victim = None
+    spawn_scorer(**SCORER)
+    [r] = await client.take(10, timeout_s=30)
+    assert (r.status, r.reason) == ("ok", "")
