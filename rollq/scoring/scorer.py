@@ -53,6 +53,7 @@ class Scorer:
         self.max_deliveries, self.grace_s = max_deliveries, grace_s
         self.queue = ScoringQueue(redis, keys, scorer_id, job_ttl_s=job_ttl_s)
         self._held: dict[tuple[str, str], tuple[Claimed, asyncio.Task]] = {}
+        self._streams: list[str] = []
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self.scored = self.reward_errors = 0
@@ -93,6 +94,7 @@ class Scorer:
             try:
                 if time.monotonic() - refreshed > STREAMS_REFRESH_S or self.queue.stale:
                     streams, refreshed = await self.queue.streams(), time.monotonic()
+                    self._streams = streams
                 free = self.max_inflight - len(self._held)
                 if free <= 0 or not streams:
                     self._slot_freed.clear()
@@ -123,9 +125,18 @@ class Scorer:
                     log.warning("lease of group %s/%s was taken over; dropping it", c.job_id, c.group_index)
                     c.taken_over = True
                     self._held[c.key][1].cancel()
+                await self._hand_back_unheld()
                 await self._beat()
             except RedisError as e:
                 log.warning("renewing leases: redis unreachable (%s: %s)", type(e).__name__, e)
+
+    async def _hand_back_unheld(self) -> None:
+        """Entries delivered to this scorer by a read whose reply was lost go back, refunded,
+        before their lease lapses (as a worker's do: `Worker._hand_back_unheld`)."""
+        orphans = await self.queue.unheld(self._streams, set(self._held), int(self.lease_s * 500))
+        if orphans:
+            n = await self.queue.release(orphans, refund=True)
+            log.warning("handed back %d groups delivered to this scorer by a lost read reply", n)
 
     async def _beat(self) -> None:
         state = records.ScorerState(

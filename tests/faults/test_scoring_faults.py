@@ -1,6 +1,7 @@
 """Scored groups under faults: scorer SIGKILLs and a Redis SIGKILL + restart while two scorers
-score (a reward of 0.1 s a sample). Every group reaches its trainer once, scored; nothing is
-left in or pending on the scoring stream. Generation by instant-engine worker processes."""
+score (a reward of 0.1 s a sample), one group's lease lapsing four times, and a scorer's lost
+replies (its read's, its finish's). Every group reaches its trainer once, scored; nothing is left
+in or pending on the scoring stream. Generation by instant-engine workers."""
 
 from __future__ import annotations
 
@@ -9,14 +10,23 @@ import contextlib
 import random
 import signal
 
+import pytest
 import scoring_fixtures
 import scoring_rewards
 from redis.exceptions import ResponseError
 
+from helpers import drop_a_reply
+from rollq.queue.connection import connect
+from rollq.queue.keys import Keys
 from rollq.scoring import Completion
+from rollq.scoring.pool import ChildPool
+from rollq.scoring.rewards import find_rewards
 from rollq.scoring.records import live_scorers
+from rollq.scoring.scorer import Scorer
 
 spawn_scorer = scoring_fixtures.spawn_scorer
+
+
 async def take_scored(client, expected: int, timeout_s: float) -> dict[int, list]:
     """Every result read until `expected` distinct groups arrived (and 2 s more, for any
     duplicate), by group index."""
@@ -105,5 +115,78 @@ async def test_a_group_outlives_four_lapsed_leases(make_client, spawn_worker, sp
         victim.proc.wait()
         victim = None
     spawn_scorer(**SCORER)
-    [r] = await client.take(10, timeout_s=30)
+    [r] = await client.take(1, timeout_s=30)
     assert (r.status, r.reason) == ("ok", "")
+
+
+@pytest.fixture
+async def run_scorer(redis_url, policy):
+    """create(scorer_id, **Scorer settings) -> an in-process Scorer, running (its Redis client is
+    `scorer.redis`, for a test to drop a reply on); stopped at teardown."""
+    made: list[tuple[Scorer, asyncio.Task]] = []
+
+    def create(scorer_id: str, **settings) -> Scorer:
+        rewards = find_rewards(scoring_fixtures.REWARDS)
+        scorer = Scorer(connect(redis_url), Keys(policy), rewards, ChildPool(scoring_fixtures.REWARDS, 1),
+                        scorer_id=scorer_id, **settings)
+        made.append((scorer, asyncio.create_task(scorer.run())))
+        return scorer
+
+    yield create
+    for scorer, task in made:
+        scorer.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 15)
+        await scorer.redis.aclose()
+
+
+async def test_a_lost_claim_reply_does_not_burn_a_scoring_delivery(make_client, make_worker, run_scorer,
+                                                                   monkeypatch):
+    """The scorer's read whose reply was lost delivered the group to its name, and redis-py's retry
+    read nothing: the group is handed back refunded within a lease, as a worker's is (with one
+    delivery allowed, a lapse would fail it)."""
+    make_worker(lease_s=2.0)
+    client = make_client()
+    scorer = run_scorer("s-lost-read", max_deliveries=1, lease_s=2.0)
+    claim, dropped = scorer.queue.claim, []
+
+    async def a_read_whose_reply_was_lost(*args, **kwargs):
+        got = await claim(*args, **kwargs)
+        if got and not dropped:  # delivered to its name in Redis; the retry's reply: nothing
+            dropped.extend(got)
+            return []
+        return got
+
+    monkeypatch.setattr(scorer.queue, "claim", a_read_whose_reply_was_lost)
+    while not await live_scorers(client.redis, client.keys):
+        await asyncio.sleep(0.1)
+    await client.submit([[3]], n=2, sampling={"max_tokens": 2}, job_id="scored", reward="count",
+                        reward_inputs=[5])
+    [r] = await client.take(1, timeout_s=30)
+    assert dropped, "no read reply was dropped: this tested nothing"
+    assert (r.status, r.reason) == ("ok", "")
+    assert r.rewards == [scoring_rewards.count(Completion(s.text, s.token_ids, s.finish_reason, i), 5)
+                         for i, s in enumerate(r.samples)]
+    assert await client.take(10, timeout_s=1.0) == []
+
+
+async def test_a_lost_finish_reply_writes_the_scored_group_once(make_client, make_worker, run_scorer,
+                                                                monkeypatch, redis):
+    """The finish script ran (the result written, the entry acked) and its reply was lost:
+    redis-py sends it again, and the fence makes the second a no-op: one result, counted once."""
+    make_worker(lease_s=2.0)
+    client = make_client()
+    scorer = run_scorer("s-lost-finish", lease_s=2.0)
+    dropped = drop_a_reply(monkeypatch, scorer.redis, "EVALSHA")
+    while not await live_scorers(client.redis, client.keys):
+        await asyncio.sleep(0.1)
+    await client.submit([[4]], n=2, sampling={"max_tokens": 2}, job_id="scored", reward="count",
+                        reward_inputs=[6])
+    [r] = await client.take(1, timeout_s=30)
+    assert dropped, "no script reply was dropped: this tested nothing"
+    assert (r.status, r.reason) == ("ok", "")
+    assert await client.take(10, timeout_s=1.0) == []
+    status = await client.status("scored")
+    assert (status.ok, status.done) == (1, 1)
+    stream = client.keys.scoring("trainer")
+    assert (await redis.xpending(stream, "workers"))["pending"] == 0
