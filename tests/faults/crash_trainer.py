@@ -15,28 +15,17 @@ import asyncio
 import os
 import random
 import sys
+from pathlib import Path
 
 from rollq.client import RolloutClient
-
-
-def committed_lines(path: str) -> list[str]:
-    """The log's complete lines; a torn last line (killed mid-write) is cut off for good."""
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb+") as f:
-        data = f.read()
-        keep = data.rfind(b"\n") + 1
-        if keep < len(data):
-            f.truncate(keep)
-            os.fsync(f.fileno())
-    return data[:keep].decode().splitlines()
+from rollq.harness.chaos.trainer import repair
 
 
 async def train(redis_url: str, policy: str, trainer_id: str, log: str) -> None:
     trained: set[str] = set()
     acked: set[str] = set()
     step = 0
-    for line in committed_lines(log):
+    for line in repair(Path(log)):
         kind, number, *keys = line.split()
         if kind == "step":
             step = int(number)

@@ -140,6 +140,16 @@ async def run_scorer(redis_url, policy):
         await scorer.redis.aclose()
 
 
+async def score_one(client, inputs: int):
+    """One group of job `scored` (reward "count"), submitted once a scorer is live: its result."""
+    while not await live_scorers(client.redis, client.keys):
+        await asyncio.sleep(0.1)
+    await client.submit([[3]], n=2, sampling={"max_tokens": 2}, job_id="scored", reward="count",
+                        reward_inputs=[inputs])
+    [r] = await client.take(1, timeout_s=30)
+    return r
+
+
 async def test_a_lost_claim_reply_does_not_burn_a_scoring_delivery(make_client, make_worker, run_scorer,
                                                                    monkeypatch):
     """The scorer's read whose reply was lost delivered the group to its name, and redis-py's retry
@@ -158,11 +168,7 @@ async def test_a_lost_claim_reply_does_not_burn_a_scoring_delivery(make_client, 
         return got
 
     monkeypatch.setattr(scorer.queue, "claim", a_read_whose_reply_was_lost)
-    while not await live_scorers(client.redis, client.keys):
-        await asyncio.sleep(0.1)
-    await client.submit([[3]], n=2, sampling={"max_tokens": 2}, job_id="scored", reward="count",
-                        reward_inputs=[5])
-    [r] = await client.take(1, timeout_s=30)
+    r = await score_one(client, inputs=5)
     assert dropped, "no read reply was dropped: this tested nothing"
     assert (r.status, r.reason) == ("ok", "")
     assert r.rewards == [scoring_rewards.count(Completion(s.text, s.token_ids, s.finish_reason, i), 5)
@@ -178,11 +184,7 @@ async def test_a_lost_finish_reply_writes_the_scored_group_once(make_client, mak
     client = make_client()
     scorer = run_scorer("s-lost-finish", lease_s=2.0)
     dropped = drop_a_reply(monkeypatch, scorer.redis, "EVALSHA")
-    while not await live_scorers(client.redis, client.keys):
-        await asyncio.sleep(0.1)
-    await client.submit([[4]], n=2, sampling={"max_tokens": 2}, job_id="scored", reward="count",
-                        reward_inputs=[6])
-    [r] = await client.take(1, timeout_s=30)
+    r = await score_one(client, inputs=6)
     assert dropped, "no script reply was dropped: this tested nothing"
     assert (r.status, r.reason) == ("ok", "")
     assert await client.take(10, timeout_s=1.0) == []
