@@ -25,6 +25,7 @@ from rollq.gateway.streaming import StreamOptions
 from rollq.gateway.structured import logit_bias_of, structured_outputs_of
 from rollq.protocol import (MAX_JOB_GROUPS, MAX_PROMPT_TOKENS, GroupResult, InvalidInput, Sample, Sampling,
                             SwapMode, VersionWindow, unpack_floats, unpack_tokens)
+from rollq.queue.connection import Backoff
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
 from rollq.queue.scripts import Scripts
@@ -173,15 +174,15 @@ class CompletionRouter:
         self._waiting.pop(job_id, None)
 
     async def _run(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while not self._closing:  # ends by itself within a read: see PoolSampler.stopped
             try:
                 entries = await self._reader.read(256, 1000)
-                delay = 0.1
+                backoff.reset()
             except RedisError as e:
-                log.warning("completions router %s: %s; retrying in %.1f s", self.trainer, e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                wait = backoff.next()
+                log.warning("completions router %s: %s; retrying in %.1f s", self.trainer, e, wait)
+                await asyncio.sleep(wait)
                 self._reader.replay()
                 continue
             for _, result in entries:

@@ -31,6 +31,7 @@ from rollq.gateway.api import _context
 from rollq.gateway.http import ApiError, read_body, reply
 from rollq.gateway.state import GATEWAY, Gateway
 from rollq.protocol import InvalidInput, VersionWindow
+from rollq.queue.connection import Backoff
 from rollq.queue.keys import Keys
 from rollq.queue.workers import live_workers
 from rollq.status import policies
@@ -145,7 +146,7 @@ REOPEN_MAX_S = 5.0
 async def _until_done(call, what: str, stopped=lambda: False) -> None:
     """`call()` until it returns, tried again while Redis is unreachable (backoff to
     `REOPEN_MAX_S`) and until `stopped()`; any other error is logged and ends it."""
-    delay = 0.25
+    backoff = Backoff(0.25, REOPEN_MAX_S)
     while not stopped():
         try:
             await call()
@@ -155,8 +156,7 @@ async def _until_done(call, what: str, stopped=lambda: False) -> None:
         except Exception as e:  # noqa: BLE001 (requests see it again: each call opens first)
             log.warning("%s: %s", what, e)
             return
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, REOPEN_MAX_S)
+        await backoff.sleep()
 
 
 async def _opened(episodes: Episodes) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 
 import msgspec
@@ -24,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.protocol import (GroupResult, InvalidInput, ScoreSpec, decode_item, decode_score_item, encode,
                             unpack_tokens)
+from rollq.queue.connection import Backoff
 from rollq.queue.keys import Keys
 from rollq.queue.names import JobState, Reply
 from rollq.queue.work import Claimed
@@ -89,7 +89,7 @@ class Scorer:
     # --- claiming --------------------------------------------------------------------------
 
     async def _feed_loop(self) -> None:
-        streams, refreshed, delay = [], 0.0, 0.1
+        streams, refreshed, backoff = [], 0.0, Backoff(0.1, 2.0)
         while True:
             try:
                 if time.monotonic() - refreshed > STREAMS_REFRESH_S or self.queue.stale:
@@ -104,11 +104,10 @@ class Scorer:
                 got = await self.queue.reclaim(streams, int(self.lease_s * 1000), free)
                 if len(got) < free:
                     got += await self.queue.claim(streams, free - len(got), 0 if got else BLOCK_MS)
-                delay = 0.1
+                backoff.reset()
             except RedisError as e:
                 log.warning("claiming: redis unreachable (%s: %s); retrying", type(e).__name__, e)
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
                 continue
             for c in got:
                 if c.key not in self._held:
@@ -260,7 +259,7 @@ class Scorer:
     async def _finish(self, c: Claimed, result: GroupResult, dead_reason: str) -> None:
         """Write the result; through a Redis outage, retried while the lease would still hold
         (fencing makes a late or repeated write a no-op)."""
-        payload, give_up, delay = encode(result), time.monotonic() + self.lease_s, 0.1
+        payload, give_up, backoff = encode(result), time.monotonic() + self.lease_s, Backoff(0.1, 2.0)
         while True:
             try:
                 reply = await self.queue.finish(c, result.status, payload, dead_reason=dead_reason)
@@ -270,8 +269,7 @@ class Scorer:
                     raise
                 log.warning("writing group %s/%s: redis unreachable (%s); retrying", c.job_id,
                             c.group_index, e)
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
         if reply is Reply.OK:
             self.scored += 1
         elif reply is Reply.LOST and not c.taken_over:
