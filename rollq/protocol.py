@@ -86,9 +86,12 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
 
 # --- Limits as field types: msgspec checks these as it decodes (`Meta`'s bounds are inclusive
 # `ge`/`le` or exclusive `gt`/`lt`, as written here: the error message shows them so). ---
+MAX_VERSION = 2**62
+"""Policy versions are below this (and staleness too): Redis and Lua hold them as exact numbers."""
+
 GroupSize = Annotated[int, Meta(ge=1, le=MAX_N)]
 """`n`: samples per group."""
-Version = Annotated[int, Meta(ge=0, lt=2**62)]
+Version = Annotated[int, Meta(ge=0, lt=MAX_VERSION)]
 """A policy version (and a staleness, in versions)."""
 TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
