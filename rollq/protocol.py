@@ -242,7 +242,7 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, forbid_unknown_field
     json: str | dict[str, Any] | None = None
     """A JSON schema (an object, or its JSON text)."""
     regex: Regex | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
     grammar: str | None = None
     """An EBNF (GBNF) or Lark grammar."""
     json_object: bool | None = None
@@ -644,8 +644,6 @@ def validate_structured_outputs(so: StructuredOutputs, field: str = "sampling.st
         raise InvalidInput(f"{field}.{name}", f"is {size} bytes encoded; the limit is {MAX_STRUCTURED_BYTES}")
     if isinstance(value, str) and name != "regex" and not value.strip():
         raise InvalidInput(f"{field}.{name}", "is empty")
-    if name == "choice" and not value:
-        raise InvalidInput(f"{field}.choice", "is an empty list; give at least one choice")
     if name == "json_object" and value is not True:
         raise InvalidInput(f"{field}.json_object", "must be true if set; omit structured_outputs instead")
     if name == "regex":
@@ -1133,7 +1131,8 @@ def _reworded(name: str, t: Any, value: Any, words: str | None, field: str,
         if t.max_length is not None and count > t.max_length:
             return InvalidInput(name, f"has {count} {unit}; the limit is {t.max_length}")
         if t.min_length is not None and count < t.min_length:
-            return InvalidInput(name, f"has {count} {unit}; it needs at least {t.min_length}")
+            return InvalidInput(name, f"{'is empty' if not count else f'has {count} {unit}'}; it needs at "
+                                      f"least {t.min_length}")
         if getattr(t, "pattern", None) is not None:
             return InvalidInput(name, f"must be {words}" if words else f"must match {t.pattern!r}")
     return None

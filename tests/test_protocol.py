@@ -141,7 +141,7 @@ def _built(path: str, value) -> WorkItem:
     ("sampling.seed", -1, "sampling.seed", "seed=-1 must be an integer between 0 and"),
     ("sampling.regex", "a" * (p.MAX_REGEX_CHARS + 1), "sampling.regex",
      "has 4097 characters; the limit is 4096"),
-    ("chat.messages", [], "chat.messages", "has 0 items; it needs at least 1"),
+    ("chat.messages", [], "chat.messages", "is empty; it needs at least 1"),
     ("chat.tools", [{}] * (p.MAX_CHAT_TOOLS + 1), "chat.tools", "the limit is 256"),
 ])
 def test_limits_as_field_types_name_the_field_and_the_limit(path, value, field, words):
