@@ -7,7 +7,7 @@ float32 bytes, never as lists of Python ints.
 
 Limits live in two places, each limit in one of them: a limit msgspec can state (a range, a
 length, a pattern) is a constraint on the field's type (`Annotated[int, Meta(ge=1, le=MAX_N)]`),
-checked by msgspec as it decodes, and said in rollq's words by `_in_our_words`; the others are
+checked by msgspec as it decodes, and said in rollq's words by `_invalid`; the others are
 code, in "Validation" below (its first comment says which and why).
 
 Untrusted bytes go through `decode_item`: size first, then a typed decode (the constraints), then
@@ -613,7 +613,7 @@ def validate_extra(extra: dict[str, Any], max_tokens: int, field: str = "samplin
 
 def validate_sampling(s: Sampling, n: int, field: str = "sampling") -> None:
     """The field constraints (as a worker decodes `s`), then the checks in code."""
-    _decoded(_sampling_decoder, encode(s), Sampling, field)
+    _checked(s, _sampling_decoder, field)
     if n * s.max_tokens > MAX_GROUP_TOKENS:
         raise InvalidInput(f"{field}.max_tokens",
                            f"n * max_tokens = {n * s.max_tokens} exceeds {MAX_GROUP_TOKENS} per group")
@@ -699,9 +699,7 @@ def _check_nesting(spec: str | dict[str, Any], field: str, limit: int) -> None:
 def validate_chat(chat: Chat, field: str = "chat") -> None:
     """Shape and size only; roles and content are the chat template's business (on the worker).
     The field constraints (as a worker decodes `chat`), then the checks in code."""
-    data = encode(chat)
-    _decoded(_chat_decoder, data, Chat, field)
-    _check_chat(chat, field, len(data))
+    _check_chat(chat, field, len(_checked(chat, _chat_decoder, field)))
 
 
 def _check_chat(chat: Chat, field: str, size: int) -> None:
@@ -878,11 +876,7 @@ def _shared(item: WorkItem) -> bytes | None:
 def encode_item(item: WorkItem) -> bytes:
     """A WorkItem built in Python (the client's) -> its bytes, checked as a worker will check them
     (`decode_item`: msgspec checks the fields' constraints only when it decodes)."""
-    data = encode(item)
-    try:
-        _item_decoder.decode(data)
-    except msgspec.ValidationError as e:
-        raise _invalid(e, data, WorkItem, "", "") from None
+    data = _checked(item, _item_decoder, "")
     _check_item(item)
     return data
 
@@ -1037,11 +1031,18 @@ def typed(field: str, value: Any, typ: Any, *, strict: bool = True) -> Any:
         raise _invalid(e, value, typ, field, "", raw=True) from None
 
 
-def _decoded(decoder: msgspec.msgpack.Decoder, data: bytes, cls: type, field: str) -> Any:
+def _checked(obj: msgspec.Struct, decoder: msgspec.msgpack.Decoder, field: str) -> bytes:
+    """A Struct built in Python -> its bytes, decoded as a worker would decode them: msgspec
+    checks the fields' constraints only when it decodes (or converts)."""
     try:
-        return decoder.decode(data)
+        data = encode(obj)
+    except (TypeError, OverflowError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
+        raise InvalidInput(field or "item", f"cannot be encoded: {e}") from None
+    try:
+        decoder.decode(data)
     except msgspec.ValidationError as e:
-        raise _invalid(e, data, cls, field, "") from None
+        raise _invalid(e, data, type(obj), field, "") from None
+    return data
 
 
 def _invalid(error: msgspec.DecodeError, data: Any, cls: Any, field: str, what: str, *,
@@ -1116,7 +1117,10 @@ def _locate(cls: Any, path: str, value: Any) -> tuple[str, Any, Any, str | None]
 
 
 def _joined(name: str, part: str) -> str:
-    return part if not name else name if not part else f"{name}{part}" if part[0] == "[" else f"{name}.{part}"
+    """`sampling` + `max_tokens` -> `sampling.max_tokens`; `images` + `[0]` -> `images[0]`."""
+    if not name or not part:
+        return name or part
+    return f"{name}{part}" if part.startswith("[") else f"{name}.{part}"
 
 
 def _reworded(name: str, t: Any, value: Any, words: str | None, field: str,
