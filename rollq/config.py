@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from rollq.protocol import InvalidInput, SwapMode, check_id
+from rollq.protocol import MAX_VERSION, InvalidInput, SwapMode, check_id
 from rollq.queue.connection import DEFAULT_URL
 
 
@@ -92,8 +92,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             "poll_s": (self.poll_s, 0.01, 60),
             "job_ttl_s": (self.job_ttl_s, 1, 365 * 86_400),
             "instant_delay_s": (self.instant_delay_s, 0, 3600),
-            "base_version": (self.base_version, 0, 2**62),
-            "pin_version": (0 if self.pin_version is None else self.pin_version, 0, 2**62),
+            "base_version": (self.base_version, 0, MAX_VERSION - 1),
+            "pin_version": (0 if self.pin_version is None else self.pin_version, 0, MAX_VERSION - 1),
             "metrics_port": (0 if self.metrics_port is None else self.metrics_port, 0, 65_535),
         }
         for name, (value, lo, hi) in limits.items():

@@ -5,8 +5,14 @@ field names on the wire) and `omit_defaults`; new fields go at the end with a de
 messages still decode. Token ids travel packed as little-endian int32 bytes and logprobs as
 float32 bytes, never as lists of Python ints.
 
-Untrusted bytes go through `decode_item`: size first, then a typed decode, then `validate_item`.
-Nothing here can execute code found in a payload (msgpack into typed Structs only).
+Limits live in two places, each limit in one of them: a limit msgspec can state (a range, a
+length, a pattern) is a constraint on the field's type (`Annotated[int, Meta(ge=1, le=MAX_N)]`),
+checked by msgspec as it decodes, and said in rollq's words by `_invalid`; the others are
+code, in "Validation" below (its first comment says which and why).
+
+Untrusted bytes go through `decode_item`: size first, then a typed decode (the constraints), then
+the checks in code. Nothing here can execute code found in a payload (msgpack into typed Structs
+only).
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import re
 import re._constants as _sre  # the stdlib parser `re` itself uses: to look at a regex's shape
 import re._parser as _sre_parse
 import sys
-from typing import Any, Literal, NamedTuple
+from functools import cache
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
+from msgspec import Meta
 
 from rollq.grammar import nullable_repetition
 
@@ -75,6 +83,24 @@ MAX_GROUP_PIXELS = 2 * MAX_IMAGE_PIXELS
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._\-]+")
 """Matched with fullmatch: `$` would also match before a trailing newline."""
+
+# --- Limits as field types: msgspec checks these as it decodes (`Meta`'s bounds are inclusive
+# `ge`/`le` or exclusive `gt`/`lt`, as written here: the error message shows them so). ---
+MAX_VERSION = 2**62
+"""Policy versions are below this (and staleness too): Redis and Lua hold them as exact numbers."""
+
+GroupSize = Annotated[int, Meta(ge=1, le=MAX_N)]
+"""`n`: samples per group."""
+Version = Annotated[int, Meta(ge=0, lt=MAX_VERSION)]
+"""A policy version (and a staleness, in versions)."""
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Regex = Annotated[str, Meta(max_length=MAX_REGEX_CHARS)]
+"""A structured-output regex: its length here, its shape in `validate_regex`."""
+Digest = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}\Z",
+                             description="a BLAKE3 digest: 64 lowercase hex digits")]
+r"""`\Z`, not `$` (which also matches before a trailing newline); an error says the description."""
 
 Status = Literal["ok", "failed", "expired", "cancelled", "filtered"]
 
@@ -160,28 +186,29 @@ SwapMode = Literal["drain", "interrupt", "keep"]
 class Sampling(msgspec.Struct, **_WIRE):
     """Sampling settings of one job; vLLM's defaults and meanings (`top_k=0` disables it)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: int = 256
-    stop_token_ids: list[int] = []
-    seed: int | None = None
-    logprobs: int = 0
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    """0 or -1: off."""
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0, le=100)] = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_NEW_TOKENS)] = 256
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    logprobs: TopLogprobs = 0
     """Top-N logprobs per position besides the sampled token's own (always returned)."""
-    regex: str | None = None
+    regex: Regex | None = None
     """Structured output: completions must match this regular expression."""
     extra: dict[str, Any] = {}
     """Passed through to the engine's sampling parameters (validated by the engine)."""
-    stop: list[str] = []
+    stop: Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] = []
     """Stop strings: a sample ends before the first one its text contains (needs a tokenizer)."""
     return_text: bool = False
     """Return decoded text (`Sample.text`, and token strings with logprobs): the engine
     detokenizes only when this or `stop` asks for it."""
-    prompt_logprobs: int | None = None
+    prompt_logprobs: TopLogprobs | None = None
     """Score the prompt: each prompt token's logprob and the top N at each position
     (`GroupResult.prompt_scores`); None: not computed."""
     text_if_tokenizer: bool = False
@@ -214,15 +241,15 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, forbid_unknown_field
 
     json: str | dict[str, Any] | None = None
     """A JSON schema (an object, or its JSON text)."""
-    regex: str | None = None
-    choice: list[str] | None = None
+    regex: Regex | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
     grammar: str | None = None
     """An EBNF (GBNF) or Lark grammar."""
     json_object: bool | None = None
     """True: any JSON object."""
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
+    whitespace_pattern: Regex | None = None
     structural_tag: str | None = None
     """vLLM's structural tag, as JSON text."""
 
@@ -235,9 +262,9 @@ class Chat(msgspec.Struct, **_WIRE):
     """A conversation to render into prompt token ids with the worker model's chat template,
     as vLLM's OpenAI server renders a `/v1/chat/completions` request."""
 
-    messages: list[dict[str, Any]]
+    messages: Annotated[list[dict[str, Any]], Meta(min_length=1, max_length=MAX_CHAT_MESSAGES)]
     """OpenAI chat messages (`role`, `content`, optional `tool_calls`, `name`, ...)."""
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_CHAT_TOOLS)] | None = None
     """OpenAI tool definitions, handed to the template (and to the worker's tool parser)."""
     chat_template: str | None = None
     """A Jinja template instead of the model's own."""
@@ -268,25 +295,25 @@ class WorkItem(msgspec.Struct, **_WIRE):
     """
 
     job_id: str
-    group_index: int
+    group_index: Annotated[int, Meta(ge=0, lt=MAX_JOB_GROUPS)]
     prompt: bytes
     """int32 token ids."""
-    n: int
+    n: GroupSize
     sampling: Sampling
     submitted_at: float
     deadline: float = 0.0
     """Unix time after which the group ends `expired`; 0 means none."""
-    text: str = ""
+    text: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] = ""
     """A text prompt instead of token ids (`prompt` empty); the worker's tokenizer encodes it."""
-    min_version: int = 0
+    min_version: Version = 0
     """Policy versions allowed to generate: at least this..."""
-    max_version: int | None = None
+    max_version: Version | None = None
     """...at most this (None: no upper bound)..."""
-    max_staleness: int | None = None
+    max_staleness: Version | None = None
     """...and at least (newest published version - max_staleness) when generation starts."""
     chat: Chat | None = None
     """A conversation instead of token ids or text (`prompt` and `text` empty)."""
-    images: list[str] = []
+    images: Annotated[list[Digest], Meta(max_length=MAX_IMAGES)] = []
     """BLAKE3 hex digests of the group's images, stored once each in Redis (`rollq/images.py`),
     in prompt order; a chat names them in its `rollq-image:<digest>` image_url parts."""
     score: ScoreSpec | None = None
@@ -456,6 +483,8 @@ class VersionEntry(msgspec.Struct, **_WIRE):
 # One encoder and one decoder per type per process, reused (msgspec's advice).
 encoder = msgspec.msgpack.Encoder()
 _item_decoder = msgspec.msgpack.Decoder(WorkItem)
+_sampling_decoder = msgspec.msgpack.Decoder(Sampling)
+_chat_decoder = msgspec.msgpack.Decoder(Chat)
 _header_decoder = msgspec.msgpack.Decoder(ItemHeader)
 _result_decoder = msgspec.msgpack.Decoder(GroupResult)
 _meta_decoder = msgspec.msgpack.Decoder(dict[str, Any])
@@ -508,6 +537,23 @@ def encode(obj: Any) -> bytes:
 
 
 # --- Validation ------------------------------------------------------------------------------
+# What stays code, and why (the rest is in the field types above: decoding checks it):
+# - Limits set by configuration: a trainer's quota (`max_outstanding`, the gateway's
+#   `max_outstanding_bytes`), the gateway's body and image caps, a worker's `max_model_len` and
+#   sequence budget. They are checked where that configuration lives (`client/`, `gateway/`,
+#   `worker/`, `engine/`), not here: a type cannot know them.
+# - Limits across fields: `n * max_tokens`, `min_tokens <= max_tokens`, a version window's order,
+#   one of prompt, text and chat, `prefix_messages` against `messages`, one structured constraint.
+# - Limits on what a field encodes to or holds: sizes of `chat`, `meta`, `sampling.extra`,
+#   `structured_outputs` and reward inputs encoded; a prompt's packed ids (a multiple of 4 bytes,
+#   a count of tokens, none negative); a regex's or grammar's shape; a JSON schema's nesting;
+#   `sampling.extra`'s allowed keys; chat roles and `tool_choice`; `logit_bias` (finite biases).
+# - Ids (`check_id`): one rule for a dozen ids that are not wire fields (policy, worker, trainer
+#   from a header), so it stays one function; and a stop string's length (1 to MAX_STOP_CHARS),
+#   whose error names `sampling.stop` as a whole, as does the count's.
+# Structs built in Python (the client's, the gateway's) are checked as a worker decodes them:
+# `encode_item`, `validate_sampling` and `validate_chat` decode their encoding (msgspec checks
+# constraints only when it decodes or converts).
 
 
 def check_id(field: str, value: Any) -> str:
@@ -543,13 +589,6 @@ def check_trainer_id(field: str, value: Any) -> str:
     return check_id(field, value)
 
 
-def _check_range(field: str, value: float, lo: float, hi: float) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidInput(field, f"must be a finite number, got {value}")
-    if not lo <= value <= hi:
-        raise InvalidInput(field, f"{field}={value} is out of range [{lo}, {hi}]")
-
-
 SAMPLING_EXTRA: dict[str, type] = {
     "ignore_eos": bool, "min_tokens": int, "skip_special_tokens": bool,
     "spaces_between_special_tokens": bool, "include_stop_str_in_output": bool,
@@ -573,39 +612,12 @@ def validate_extra(extra: dict[str, Any], max_tokens: int, field: str = "samplin
 
 
 def validate_sampling(s: Sampling, n: int, field: str = "sampling") -> None:
-    _check_range(f"{field}.temperature", s.temperature, 0.0, 100.0)
-    if not 0.0 < s.top_p <= 1.0:
-        raise InvalidInput(f"{field}.top_p", f"top_p={s.top_p} must be in (0, 1]")
-    if s.top_k < -1:
-        raise InvalidInput(f"{field}.top_k", f"top_k={s.top_k} must be >= 0 (0 or -1 disables it)")
-    _check_range(f"{field}.min_p", s.min_p, 0.0, 1.0)
-    if not 0.0 < s.repetition_penalty <= 100.0:
-        raise InvalidInput(f"{field}.repetition_penalty",
-                           f"repetition_penalty={s.repetition_penalty} must be in (0, 100]")
-    _check_range(f"{field}.presence_penalty", s.presence_penalty, -2.0, 2.0)
-    _check_range(f"{field}.frequency_penalty", s.frequency_penalty, -2.0, 2.0)
-    if not 1 <= s.max_tokens <= MAX_NEW_TOKENS:
-        raise InvalidInput(f"{field}.max_tokens",
-                           f"max_tokens={s.max_tokens} must be between 1 and {MAX_NEW_TOKENS}")
+    """The field constraints (as a worker decodes `s`), then the checks in code."""
+    _checked(s, _sampling_decoder, field)
     if n * s.max_tokens > MAX_GROUP_TOKENS:
         raise InvalidInput(f"{field}.max_tokens",
                            f"n * max_tokens = {n * s.max_tokens} exceeds {MAX_GROUP_TOKENS} per group")
-    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidInput(f"{field}.stop_token_ids",
-                           f"{len(s.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
-    if any(t < 0 or t >= 2**31 for t in s.stop_token_ids):
-        raise InvalidInput(f"{field}.stop_token_ids", "token ids must be in [0, 2**31)")
-    if not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidInput(f"{field}.logprobs",
-                           f"logprobs={s.logprobs} must be between 0 and {MAX_TOP_LOGPROBS}")
-    if s.seed is not None and not 0 <= s.seed < 2**63:
-        raise InvalidInput(f"{field}.seed", f"seed={s.seed} must be in [0, 2**63)")
     validate_extra(s.extra, s.max_tokens, f"{field}.extra")
-    if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidInput(f"{field}.prompt_logprobs",
-                           f"prompt_logprobs={s.prompt_logprobs} must be between 0 and {MAX_TOP_LOGPROBS}")
-    if len(s.stop) > MAX_STOP_STRINGS:
-        raise InvalidInput(f"{field}.stop", f"{len(s.stop)} stop strings; the limit is {MAX_STOP_STRINGS}")
     if any(not 0 < len(stop) <= MAX_STOP_CHARS for stop in s.stop):
         raise InvalidInput(f"{field}.stop", f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
     if s.regex is not None:
@@ -632,8 +644,6 @@ def validate_structured_outputs(so: StructuredOutputs, field: str = "sampling.st
         raise InvalidInput(f"{field}.{name}", f"is {size} bytes encoded; the limit is {MAX_STRUCTURED_BYTES}")
     if isinstance(value, str) and name != "regex" and not value.strip():
         raise InvalidInput(f"{field}.{name}", "is empty")
-    if name == "choice" and not value:
-        raise InvalidInput(f"{field}.choice", "is an empty list; give at least one choice")
     if name == "json_object" and value is not True:
         raise InvalidInput(f"{field}.json_object", "must be true if set; omit structured_outputs instead")
     if name == "regex":
@@ -687,17 +697,16 @@ def _check_nesting(spec: str | dict[str, Any], field: str, limit: int) -> None:
 
 
 def validate_chat(chat: Chat, field: str = "chat") -> None:
-    """Shape and size only; roles and content are the chat template's business (on the worker)."""
-    if not chat.messages:
-        raise InvalidInput(f"{field}.messages", "is empty; a conversation needs at least one message")
-    if len(chat.messages) > MAX_CHAT_MESSAGES:
-        raise InvalidInput(f"{field}.messages",
-                           f"has {len(chat.messages)} messages; the limit is {MAX_CHAT_MESSAGES}")
+    """Shape and size only; roles and content are the chat template's business (on the worker).
+    The field constraints (as a worker decodes `chat`), then the checks in code."""
+    _check_chat(chat, field, len(_checked(chat, _chat_decoder, field)))
+
+
+def _check_chat(chat: Chat, field: str, size: int) -> None:
+    """`validate_chat`'s checks in code, on a decoded Chat that encodes to `size` bytes."""
     for i, message in enumerate(chat.messages):
         if not isinstance(message.get("role"), str):
             raise InvalidInput(f"{field}.messages[{i}].role", "every message needs a string `role`")
-    if chat.tools is not None and len(chat.tools) > MAX_CHAT_TOOLS:
-        raise InvalidInput(f"{field}.tools", f"has {len(chat.tools)} tools; the limit is {MAX_CHAT_TOOLS}")
     if chat.tool_choice is not None and not isinstance(chat.tool_choice, dict) and \
             chat.tool_choice not in ("none", "auto", "required"):
         raise InvalidInput(f"{field}.tool_choice", f'is {chat.tool_choice!r}: "none", "auto", "required" '
@@ -706,7 +715,6 @@ def validate_chat(chat: Chat, field: str = "chat") -> None:
         raise InvalidInput(f"{field}.continue_final_message",
                            "excludes add_generation_prompt (set add_generation_prompt to false)")
     _validate_prefix(chat, field)
-    size = len(encode(chat))
     if size > MAX_CHAT_BYTES:
         raise InvalidInput(field, f"is {size} bytes encoded; the limit is {MAX_CHAT_BYTES}")
 
@@ -764,11 +772,9 @@ def validate_regex(regex: str, field: str = "sampling.regex") -> None:
     vLLM 0.32 (`auto`) hands it to xgrammar, an Earley parser: no backtracking, but nested
     repetition makes its state sets grow with each generated token (`(a*)*b`: 3.2 s of engine
     time for 200 tokens), in the loop every request of the engine shares. So nested repetition
-    is refused, and length (`MAX_REGEX_CHARS`). Checked with Python's parser, whose syntax is
-    close to xgrammar's; what Python cannot parse is refused too.
+    is refused; its length (`MAX_REGEX_CHARS`) is its field's type's (`Regex`). Checked with
+    Python's parser, whose syntax is close to xgrammar's; what Python cannot parse is refused too.
     """
-    if len(regex) > MAX_REGEX_CHARS:
-        raise InvalidInput(field, f"is {len(regex)} characters; the limit is {MAX_REGEX_CHARS}")
     try:
         parsed = _sre_parse.parse(regex)
     except (re.error, RecursionError, OverflowError) as e:
@@ -797,8 +803,7 @@ def validate_prompt(prompt: bytes, field: str = "prompt") -> None:
 
 
 def validate_n(n: Any) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-        raise InvalidInput("n", f"n={n!r} must be an integer between 1 and {MAX_N}")
+    typed("n", n, GroupSize)
 
 
 class Window(NamedTuple):
@@ -839,25 +844,18 @@ class VersionWindow(msgspec.Struct, kw_only=True):
 
 
 def validate_window(min_version: int, max_version: int | None, max_staleness: int | None) -> None:
-    if not 0 <= min_version < 2**62:
-        raise InvalidInput("min_version", f"min_version={min_version} must be >= 0")
-    if max_version is not None and not min_version <= max_version < 2**62:
+    """A window given in Python (`VersionWindow.resolve`): each bound as its `Version` type says,
+    then their order."""
+    for field, value in (("min_version", min_version), ("max_version", max_version),
+                         ("max_staleness", max_staleness)):
+        if value is not None:
+            typed(field, value, Version)
+    _check_order(min_version, max_version)
+
+
+def _check_order(min_version: int, max_version: int | None) -> None:
+    if max_version is not None and max_version < min_version:
         raise InvalidInput("max_version", f"max_version={max_version} is below min_version={min_version}")
-    if max_staleness is not None and not 0 <= max_staleness < 2**62:
-        raise InvalidInput("max_staleness", f"max_staleness={max_staleness} must be >= 0")
-
-
-_DIGEST = re.compile(r"[0-9a-f]{64}")
-
-
-def validate_images(digests: list[str], field: str = "images") -> None:
-    """A group's image references: at most MAX_IMAGES BLAKE3 hex digests (the bytes are in Redis,
-    checked where they are stored and again where they are decoded: `rollq/images.py`)."""
-    if len(digests) > MAX_IMAGES:
-        raise InvalidInput(field, f"{len(digests)} images in one group; the limit is {MAX_IMAGES}")
-    for i, digest in enumerate(digests):
-        if not _DIGEST.fullmatch(digest):
-            raise InvalidInput(f"{field}[{i}]", "must be a BLAKE3 digest: 64 lowercase hex digits")
 
 
 _passed_shared: bytes | None = None
@@ -875,11 +873,25 @@ def _shared(item: WorkItem) -> bytes | None:
         return None
 
 
+def encode_item(item: WorkItem) -> bytes:
+    """A WorkItem built in Python (the client's) -> its bytes, checked as a worker will check them
+    (`decode_item`: msgspec checks the fields' constraints only when it decodes)."""
+    data = _checked(item, _item_decoder, "")
+    _check_item(item)
+    return data
+
+
 def validate_item(item: WorkItem) -> None:
-    """Every check, in this order; the first one that fails is raised. The checks of the fields
-    a job's groups share ran for the previous item of its job already: they are skipped when
-    those fields are byte for byte what passed last (a job's groups are validated one after
-    the other, on the client and on the worker: this halved the cost of a no-op group's)."""
+    """`encode_item`, for its checks only."""
+    encode_item(item)
+
+
+def _check_item(item: WorkItem) -> None:
+    """The checks in code of a decoded item, in this order; the first one that fails is raised.
+    The checks of the fields a job's groups share ran for the previous item of its job already:
+    they are skipped when those fields are byte for byte what passed last (a job's groups are
+    checked one after the other, on the client and on the worker: this halved the cost of a
+    no-op group's)."""
     global _passed_shared
     shared = _shared(item)
     if shared is None or shared != _passed_shared:
@@ -891,9 +903,7 @@ def validate_item(item: WorkItem) -> None:
 
 def _validate_item(item: WorkItem) -> None:
     check_id("job_id", item.job_id)
-    _validate_group_index(item.group_index)
-    validate_n(item.n)
-    validate_window(item.min_version, item.max_version, item.max_staleness)
+    _check_order(item.min_version, item.max_version)
     _validate_prompt_and_images(item)
     validate_sampling(item.sampling, item.n)
     extra_size = len(encode(item.sampling.extra))
@@ -905,55 +915,24 @@ def _validate_item(item: WorkItem) -> None:
 
 def _validate_group(item: WorkItem) -> None:
     """The checks of `_validate_item` on fields each group has its own of, in the same order."""
-    _validate_group_index(item.group_index)
     _validate_prompt_and_images(item)
     if item.score is not None:
         validate_score(item.score, f"reward_inputs[{item.group_index}]")
-
-
-def _validate_group_index(group_index: int) -> None:
-    if not 0 <= group_index < MAX_JOB_GROUPS:
-        raise InvalidInput("group_index", f"{group_index} is out of range [0, {MAX_JOB_GROUPS})")
 
 
 def _validate_prompt_and_images(item: WorkItem) -> None:
     if item.chat is not None:
         if item.prompt or item.text:
             raise InvalidInput("chat", "give a conversation, token ids or text: one of them")
-        validate_chat(item.chat)
+        _check_chat(item.chat, "chat", len(encode(item.chat)))
     elif item.text:
         if item.prompt:
             raise InvalidInput("prompt", "give token ids or text, not both")
-        if len(item.text) > MAX_PROMPT_CHARS:
-            raise InvalidInput("text", f"has {len(item.text)} characters; the limit is {MAX_PROMPT_CHARS}")
     else:
         validate_prompt(item.prompt)
-    validate_images(item.images)
 
 
 # --- Decoding untrusted bytes ----------------------------------------------------------------
-
-_PATH = re.compile(r"`\$((?:\[\d+\]|\.\w+)*)`")
-
-
-def _name_path(message: str, cls: type) -> str:
-    """msgspec reports array_like positions (`$[4][7]`); say field names (`$.sampling.max_tokens`)."""
-
-    def rename(match: re.Match) -> str:
-        out, typ = "$", cls
-        for part in re.findall(r"\[(\d+)\]|\.(\w+)", match.group(1)):
-            index, name = part
-            fields = getattr(typ, "__struct_fields__", None)
-            if index and fields is not None and int(index) < len(fields):
-                name = fields[int(index)]
-                typ = msgspec.structs.fields(typ)[int(index)].type
-                out += f".{name}"
-            else:
-                out += f"[{index}]" if index else f".{name}"
-                typ = getattr(typ, "__args__", (None,))[0] if typ is not None else None
-        return f"`{out}`"
-
-    return _PATH.sub(rename, message)
 
 
 def decode_item(data: bytes) -> WorkItem:
@@ -963,8 +942,8 @@ def decode_item(data: bytes) -> WorkItem:
     try:
         item = _item_decoder.decode(data)
     except msgspec.DecodeError as e:
-        raise InvalidInput("item", f"malformed work item: {_name_path(str(e), WorkItem)}") from None
-    validate_item(item)
+        raise _invalid(e, data, WorkItem, "", "malformed work item: ") from None
+    _check_item(item)
     return item
 
 
@@ -996,11 +975,9 @@ _SamplingObject = _object_twin(Sampling)
 
 
 def sampling_from_dict(values: dict[str, Any]) -> Sampling:
-    """User settings (`{"max_tokens": 64}`) -> Sampling; unknown or mistyped fields are named."""
-    try:
-        obj = msgspec.convert(values, _SamplingObject, strict=False)
-    except msgspec.ValidationError as e:
-        raise InvalidInput("sampling", str(e).replace("`$.", "`sampling.")) from None
+    """User settings (`{"max_tokens": 64}`) -> Sampling; unknown, mistyped or out-of-range fields
+    are named."""
+    obj = typed("sampling", values, _SamplingObject, strict=False)
     return Sampling(**msgspec.structs.asdict(obj))
 
 
@@ -1029,3 +1006,150 @@ def decode_meta(data: bytes) -> dict[str, Any]:
 
 def decode_version(data: bytes) -> VersionEntry:
     return _version_decoder.decode(data)
+
+
+# --- msgspec's errors in rollq's words -------------------------------------------------------
+# msgspec says `Expected `int` <= 1024 - at `$[3]``: a position (array_like Structs carry no
+# names) and a bound without the value. rollq says `n: n=0 must be an integer between 1 and
+# 1024`, as its checks in code do. Only a broken constraint is reworded; any other error (a
+# wrong type, a missing field) keeps msgspec's words, with field names for positions.
+
+_AT = re.compile(r" - at (`key` in )?`\$((?:\[\d+\]|\.\w+)*)`$")
+_PATH = re.compile(r"`\$((?:\[\d+\]|\.\w+)*)`")
+_STEP = re.compile(r"\[(\d+)\]|\.(\w+)")
+_ABSENT = object()
+_UNITS = {msgspec.inspect.StrType: "characters", msgspec.inspect.BytesType: "bytes",
+          msgspec.inspect.ListType: "items", msgspec.inspect.DictType: "entries"}
+
+
+def typed(field: str, value: Any, typ: Any, *, strict: bool = True) -> Any:
+    """A value given in Python (settings, a count) -> `typ` (`msgspec.convert`), its constraints
+    checked: InvalidInput naming `field` (and the part of it that is wrong) otherwise."""
+    try:
+        return msgspec.convert(value, typ, strict=strict)
+    except msgspec.ValidationError as e:
+        raise _invalid(e, value, typ, field, "", raw=True) from None
+
+
+def _checked(obj: msgspec.Struct, decoder: msgspec.msgpack.Decoder, field: str) -> bytes:
+    """A Struct built in Python -> its bytes, decoded as a worker would decode them: msgspec
+    checks the fields' constraints only when it decodes (or converts)."""
+    try:
+        data = encode(obj)
+    except (TypeError, OverflowError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
+        raise InvalidInput(field or "item", f"cannot be encoded: {e}") from None
+    try:
+        decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise _invalid(e, data, type(obj), field, "") from None
+    return data
+
+
+def _invalid(error: msgspec.DecodeError, data: Any, cls: Any, field: str, what: str, *,
+             raw: bool = False) -> InvalidInput:
+    """msgspec's error on `data` (`cls` encoded; with `raw`, the value itself) -> InvalidInput:
+    a broken constraint in rollq's words, named by its field under `field`; anything else as
+    msgspec says it, after `what`, positions named (`$.sampling.max_tokens`)."""
+    message = str(error)
+    if isinstance(error, msgspec.ValidationError):
+        at = _AT.search(message)
+        if at is None and " - at `" not in message:  # the value itself, not a part of it
+            at = _AT.search(" - at `$`")
+        if at is not None and not at.group(1):  # a dict's key: msgspec's words say enough
+            value = data if raw else _untyped(data)
+            # A value given whole (`n`) is reworded whatever it is; a part of one only when it is
+            # a number: a wrong type keeps msgspec's words, which name it.
+            ours = _reworded(*_locate(cls, at.group(2), value), field, raw and not at.group(2))
+            if ours is not None:
+                return ours
+    return InvalidInput(field or "item", what + _PATH.sub(
+        lambda m: f"`{_joined(field or '$', _locate(cls, m.group(1), _ABSENT)[0])}`", message))
+
+
+def _untyped(data: bytes) -> Any:
+    try:
+        return msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return _ABSENT
+
+
+@cache
+def _type_info(cls: Any) -> msgspec.inspect.Type:
+    return msgspec.inspect.type_info(cls)
+
+
+def _unwrapped(t: Any) -> tuple[Any, str | None]:
+    """A type without `| None` and without Meta's description (returned: an error may say it)."""
+    words = None
+    while True:
+        if isinstance(t, msgspec.inspect.Metadata):
+            words = (t.extra_json_schema or {}).get("description", words)
+            t = t.type
+        elif isinstance(t, msgspec.inspect.UnionType):
+            members = [u for u in t.types if not isinstance(u, msgspec.inspect.NoneType)]
+            if len(members) != 1:  # which member was meant is not said
+                return None, words
+            t = members[0]
+        else:
+            return t, words
+
+
+def _locate(cls: Any, path: str, value: Any) -> tuple[str, Any, Any, str | None]:
+    """An error's path in `cls` (`[4][7]`) -> the field's name (`sampling.max_tokens`), its type
+    (`msgspec.inspect`; None where not known), its part of `value` and its description."""
+    name, t, words = "", _type_info(cls), None
+    for index, key in _STEP.findall(path):
+        t, words = _unwrapped(t)
+        fields = t.fields if isinstance(t, msgspec.inspect.StructType) else ()
+        found = [f for i, f in enumerate(fields) if (i == int(index) if index else f.encode_name == key)]
+        if found:
+            name, t = _joined(name, found[0].name), found[0].type
+        else:
+            name, t = _joined(name, f"[{index}]" if index else key), getattr(t, "item_type", None)
+        if index and isinstance(value, list) and int(index) < len(value):
+            value = value[int(index)]
+        elif key and isinstance(value, dict) and key in value:
+            value = value[key]
+        else:
+            value = _ABSENT
+    t, described = _unwrapped(t)
+    return name, t, value, described or words
+
+
+def _joined(name: str, part: str) -> str:
+    """`sampling` + `max_tokens` -> `sampling.max_tokens`; `images` + `[0]` -> `images[0]`."""
+    if not name or not part:
+        return name or part
+    return f"{name}{part}" if part.startswith("[") else f"{name}.{part}"
+
+
+def _reworded(name: str, t: Any, value: Any, words: str | None, field: str,
+              whole: bool) -> InvalidInput | None:
+    name = _joined(field, name)
+    if isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)) and \
+            (whole or isinstance(value, (int, float))):
+        leaf = name.rsplit(".", 1)[-1]
+        return InvalidInput(name, f"{leaf}={value!r} must be {_bounds(t)}")
+    if type(t) in _UNITS and isinstance(value, (str, bytes, list, dict)):
+        count, unit = len(value), _UNITS[type(t)]
+        if t.max_length is not None and count > t.max_length:
+            return InvalidInput(name, f"has {count} {unit}; the limit is {t.max_length}")
+        if t.min_length is not None and count < t.min_length:
+            return InvalidInput(name, f"{'is empty' if not count else f'has {count} {unit}'}; it needs at "
+                                      f"least {t.min_length}")
+        if getattr(t, "pattern", None) is not None:
+            return InvalidInput(name, f"must be {words}" if words else f"must match {t.pattern!r}")
+    return None
+
+
+def _bounds(t: msgspec.inspect.IntType | msgspec.inspect.FloatType) -> str:
+    """`an integer between 1 and 1024`, `a number in (0, 1]`: the bounds as the type states them."""
+    if isinstance(t, msgspec.inspect.IntType):
+        lo = t.ge if t.ge is not None else None if t.gt is None else t.gt + 1
+        hi = t.le if t.le is not None else None if t.lt is None else t.lt - 1
+        if lo is not None and hi is not None:
+            return f"an integer between {lo} and {hi}"
+        return f"an integer >= {lo}" if lo is not None else f"an integer <= {hi}"
+    lo = f"[{t.ge}" if t.ge is not None else f"({t.gt}" if t.gt is not None else "(-inf"
+    hi = f"{t.le}]" if t.le is not None else f"{t.lt})" if t.lt is not None else "inf)"
+    return f"a number in {lo}, {hi}"

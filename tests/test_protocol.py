@@ -112,3 +112,58 @@ def test_user_sampling_dicts_are_checked_by_name():
         p.sampling_from_dict({"max_new_tokens": 3})
     with pytest.raises(InvalidInput, match="at `sampling.temperature`"):
         p.sampling_from_dict({"temperature": "hot"})
+
+
+def _built(path: str, value) -> WorkItem:
+    """A valid chat item with one field (`n`, `sampling.top_p`, `chat.messages`) set to `value`."""
+    base = item(prompt=b"", chat=p.Chat([{"role": "user", "content": "hi"}]))
+    *parent, name = path.split(".")
+    if not parent:
+        return msgspec.structs.replace(base, **{name: value})
+    inner = msgspec.structs.replace(getattr(base, parent[0]), **{name: value})
+    return msgspec.structs.replace(base, **{parent[0]: inner})
+
+
+@pytest.mark.parametrize("path, value, field, words", [
+    ("n", 1025, "n", "n=1025 must be an integer between 1 and 1024"),
+    ("n", True, "n", "n=True must be an integer between 1 and 1024"),
+    ("group_index", p.MAX_JOB_GROUPS, "group_index", "between 0 and 65535"),
+    ("min_version", -1, "min_version", "min_version=-1 must be an integer between 0 and"),
+    ("images", ["a" * 64] * (p.MAX_IMAGES + 1), "images", f"has 17 items; the limit is {p.MAX_IMAGES}"),
+    ("images", ["A" * 64], "images[0]", "must be a BLAKE3 digest: 64 lowercase hex digits"),
+    ("images", ["a" * 64 + "\n"], "images[0]", "BLAKE3 digest"),
+    ("sampling.max_tokens", 10**9, "sampling.max_tokens", "max_tokens=1000000000 must be an integer "
+                                                          "between 1 and 131072"),
+    ("sampling.top_p", 0.0, "sampling.top_p", "top_p=0.0 must be a number in (0, 1]"),
+    ("sampling.temperature", float("nan"), "sampling.temperature", "must be a number in [0.0, 100.0]"),
+    ("sampling.stop_token_ids", [1, 2**31], "sampling.stop_token_ids[1]", "between 0 and 2147483647"),
+    ("sampling.stop", ["x"] * (p.MAX_STOP_STRINGS + 1), "sampling.stop", "the limit is 64"),
+    ("sampling.seed", -1, "sampling.seed", "seed=-1 must be an integer between 0 and"),
+    ("sampling.regex", "a" * (p.MAX_REGEX_CHARS + 1), "sampling.regex",
+     "has 4097 characters; the limit is 4096"),
+    ("chat.messages", [], "chat.messages", "is empty; it needs at least 1"),
+    ("chat.tools", [{}] * (p.MAX_CHAT_TOOLS + 1), "chat.tools", "the limit is 256"),
+])
+def test_limits_as_field_types_name_the_field_and_the_limit(path, value, field, words):
+    """A limit msgspec checks as it decodes is said as the checks in code say theirs, naming the
+    field (not msgspec's `Expected `int` <= 1024 - at `$[3]``): on the wire, and for an item
+    built in Python (checked as a worker decodes it)."""
+    with pytest.raises(InvalidInput) as e:
+        p.decode_item(p.encode(_built(path, value)))
+    assert e.value.field == field and words in str(e.value)
+    with pytest.raises(InvalidInput) as built:
+        p.validate_item(_built(path, value))
+    assert (built.value.field, str(built.value)) == (e.value.field, str(e.value))
+
+
+def test_values_given_whole_are_named_whatever_they_are():
+    for n, words in [(0, "n=0 must"), ("3", "n='3' must"), (None, "n=None must")]:
+        with pytest.raises(InvalidInput, match=f"^n: {words} be an integer between 1 and 1024$"):
+            p.validate_n(n)
+    with pytest.raises(InvalidInput) as e:
+        p.VersionWindow(max_staleness=-1).resolve()
+    assert e.value.field == "max_staleness"
+    assert "max_staleness=-1 must be an integer between 0 and" in str(e.value)
+    with pytest.raises(InvalidInput) as e:
+        p.validate_chat(p.Chat([{"role": "user"}] * (p.MAX_CHAT_MESSAGES + 1)), "conversations[2]")
+    assert e.value.field == "conversations[2].messages" and "the limit is 4096" in str(e.value)

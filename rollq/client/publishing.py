@@ -14,7 +14,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from rollq.protocol import InvalidInput, VersionEntry
+from rollq.protocol import InvalidInput, Version, VersionEntry, typed
 from rollq.queue.keys import Keys
 from rollq.registry.adapters import is_adapter_dir
 from rollq.registry.commit import commit_files
@@ -51,8 +51,7 @@ class Publisher:
 
     async def publish(self, version: int, source: Any, *, copy: bool, keep: int | None, wait: bool,
                       adapter_on: int | None):
-        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**62:
-            raise InvalidInput("version", f"version={version!r} must be an integer >= 0")
+        typed("version", version, Version)
         if adapter_on is not None:
             await self._check_adapter_base(version, adapter_on, source)
             if not isinstance(source, (str, os.PathLike)):

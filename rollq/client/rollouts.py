@@ -34,10 +34,10 @@ from rollq.protocol import (
     check_trainer_id,
     derived_trainer_id,
     decode_item,
-    encode,
+    encode_item,
     encode_meta,
     pack_tokens,
-    validate_item,
+    typed,
     validate_n,
     VersionWindow,
 )
@@ -107,13 +107,6 @@ def group_prompts(prompts: Sequence[Prompt], n: int, repeated: bool) -> list[lis
                                    f"must appear n={n} times in a row")
         groups.append(run[0])
     return groups
-
-
-def _typed(field: str, value: Any, typ: Any) -> Any:
-    try:
-        return msgspec.convert(value, typ)
-    except msgspec.ValidationError as e:
-        raise InvalidInput(field, str(e)) from None
 
 
 class RolloutClient:
@@ -312,26 +305,26 @@ class RolloutClient:
         settings = msgspec.structs.replace(as_sampling(sampling), return_text=True)
         if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
             raise InvalidInput("conversations", "must be a list of conversations (lists of messages)")
-        shared = dict(tools=_typed("tools", tools, list[dict[str, Any]] | None),
-                      chat_template=_typed("chat_template", chat_template, str | None),
-                      chat_template_kwargs=_typed("chat_template_kwargs", chat_template_kwargs or {},
-                                                  dict[str, Any]),
+        shared = dict(tools=typed("tools", tools, list[dict[str, Any]] | None),
+                      chat_template=typed("chat_template", chat_template, str | None),
+                      chat_template_kwargs=typed("chat_template_kwargs", chat_template_kwargs or {},
+                                                 dict[str, Any]),
                       add_generation_prompt=bool(add_generation_prompt),
                       continue_final_message=bool(continue_final_message),
-                      tool_choice=_typed("tool_choice", tool_choice, str | dict[str, Any] | None),
-                      parallel_tool_calls=_typed("parallel_tool_calls", parallel_tool_calls, bool | None),
-                      reasoning_effort=_typed("reasoning_effort", reasoning_effort, str | None))
+                      tool_choice=typed("tool_choice", tool_choice, str | dict[str, Any] | None),
+                      parallel_tool_calls=typed("parallel_tool_calls", parallel_tool_calls, bool | None),
+                      reasoning_effort=typed("reasoning_effort", reasoning_effort, str | None))
         if prefix_tokens is not None:
             if len(conversations) != 1:
                 raise InvalidInput("prefix_tokens", "continues one conversation; send one")
-            shared |= dict(prefix_tokens=pack_tokens(_typed("prefix_tokens", list(prefix_tokens), list[int])),
-                           prefix_messages=_typed("prefix_messages", prefix_messages, int))
+            shared |= dict(prefix_tokens=pack_tokens(typed("prefix_tokens", list(prefix_tokens), list[int])),
+                           prefix_messages=typed("prefix_messages", prefix_messages, int))
         found: dict[str, bytes | None] = {}
         chats, digests = [], []
         for i, messages in enumerate(conversations):
             # Convert data URLs --> images stored once in Redis, named by digest in the chat.
             messages, named = imaging.chat_images(
-                _typed(f"conversations[{i}]", messages, list[dict[str, Any]]), f"conversations[{i}]", found)
+                typed(f"conversations[{i}]", messages, list[dict[str, Any]]), f"conversations[{i}]", found)
             chats.append(Chat(messages, **shared))
             digests.append(named)
         # The prompts are placeholders: the items are built as for token prompts, then carry the chat.
@@ -341,8 +334,7 @@ class RolloutClient:
         for i, ((data, deadline), chat) in enumerate(zip(placeholders, chats)):
             try:
                 item = msgspec.structs.replace(decode_item(data), prompt=b"", chat=chat)
-                items.append((encode(item), deadline))
-                decode_item(items[-1][0])  # the limits of the conversation and of the whole item
+                items.append((encode_item(item), deadline))  # the limits of the chat and the whole item
             except (OverflowError, TypeError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
                 raise InvalidInput(f"conversations[{i}]", f"cannot be encoded: {e}") from None
             except InvalidInput as e:
@@ -466,11 +458,11 @@ class RolloutClient:
             item = WorkItem(job_id, index, packed, n, sampling, now, deadline, text, *window,
                             images=images[index] if images else [])
             try:
-                validate_item(item)
+                data = encode_item(item)
             except InvalidInput as e:
                 field = f"prompts[{index}]" if e.field in ("prompt", "text") else e.field
                 raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
-            items.append((encode(item), deadline))
+            items.append((data, deadline))
         return items
 
     # --- results -----------------------------------------------------------------------------

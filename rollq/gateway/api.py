@@ -28,7 +28,7 @@ from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, 
 from rollq.gateway.state import GATEWAY, Gateway
 from rollq.gateway.streaming import completion_chunks, respond
 from rollq.images import from_data_url
-from rollq.protocol import GroupResult
+from rollq.protocol import GroupResult, Version, typed
 from rollq.queue import jobs
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
@@ -248,7 +248,6 @@ async def list_versions(request: web.Request) -> web.Response:
 PUBLISHING = web.AppKey("publishing", asyncio.Semaphore)
 """Publishes at once: each holds a helper process (gateway/files.py) while it checks, copies and
 hashes; more wait their turn without queueing work."""
-MAX_VERSION = 2**62
 
 
 def publishable(gw: Gateway, policy: str, raw: str) -> Path:
@@ -280,8 +279,7 @@ async def publish_version(request: web.Request) -> web.Response:
     a hostile header costs that process CPU, never the event loop."""
     gw, policy, who = _context(request)
     body = await read_body(request, PublishRequest)
-    if not 0 <= body.version < MAX_VERSION:
-        raise ApiError(400, f"version={body.version} must be in [0, 2**62)", "version")
+    typed("version", body.version, Version)
     if body.keep is not None and body.keep < 1:
         raise ApiError(400, f"keep={body.keep} must be >= 1 (versions kept)", "keep")
     path = publishable(gw, policy, body.path)

@@ -28,8 +28,8 @@ from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body
 from rollq.gateway.state import GATEWAY
 from rollq.gateway.structured import logit_bias_of, structured_outputs_of
 from rollq.gateway.trl_compat import policy_of
-from rollq.protocol import (MAX_N, MAX_PROMPT_TOKENS, GroupResult, InvalidInput, Sample, Sampling, SwapMode,
-                            VersionWindow, unpack_tokens, validate_sampling)
+from rollq.protocol import (MAX_PROMPT_TOKENS, GroupResult, GroupSize, InvalidInput, Sample, Sampling,
+                            SwapMode, TokenId, VersionWindow, typed, unpack_tokens, validate_sampling)
 from rollq.queue.keys import Keys
 from rollq.queue.workers import live_workers, max_model_len
 
@@ -72,8 +72,7 @@ class GenerateRequest(VersionWindow, kw_only=True, forbid_unknown_fields=True):
     """vLLM's `GenerateRequest`, and rollq's version window, `timeout_s` and `swap_modes` (as on
     the completions routes)."""
 
-    token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]],
-                         msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
     sampling_params: GenerateSamplingParams
     model: str | None = None
     """The policy; absent: the token's one policy (vLLM: its one served model)."""
@@ -122,8 +121,7 @@ def refuse_unsupported(req: GenerateRequest) -> None:
 def sampling_of(req: GenerateRequest, max_tokens: int) -> Sampling:
     """vLLM's SamplingParams -> rollq's Sampling, checked here so errors name `sampling_params.*`."""
     sp = req.sampling_params
-    if not 1 <= sp.n <= MAX_N:
-        raise InvalidInput("sampling_params.n", f"n={sp.n} must be between 1 and {MAX_N}")
+    typed("sampling_params.n", sp.n, GroupSize)
     if sp.n > 1 and sp.temperature < GREEDY_EPS:  # vLLM's SamplingParams refuses this up front
         raise InvalidInput("sampling_params.n", f"n must be 1 when using greedy sampling, got {sp.n}.")
     if sp.stop and not sp.detokenize:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
-from rollq.protocol import InvalidInput, StructuredOutputs, validate_logit_bias, validate_structured_outputs
+from rollq.protocol import (InvalidInput, StructuredOutputs, typed, validate_logit_bias,
+                            validate_structured_outputs)
 
 
 def _from_response_format(response_format: dict[str, Any]) -> dict[str, Any] | None:
@@ -50,10 +49,7 @@ def structured_outputs_of(structured_outputs: dict[str, Any] | None,
         return None
     fields = dict(structured_outputs or {}) | (overrides or {})
     field = "response_format" if overrides else "structured_outputs"
-    try:
-        so = msgspec.convert(fields, StructuredOutputs)
-    except msgspec.ValidationError as e:
-        raise InvalidInput(field, str(e).replace("`$.", f"`{field}.")) from None
+    so = typed(field, fields, StructuredOutputs)
     try:
         validate_structured_outputs(so, "structured_outputs")
     except InvalidInput as e:
