@@ -271,9 +271,9 @@ class Started:
 
 
 def start_run(run: Run, s: DemoSettings, redis_url: str, model: Path, progress) -> Started:
-    """Launch the run's worker on any core (it is pinned to core 0 when its run trains) and its
-    scorer: every run's start-up at once, so the demo waits for one engine start-up, not one
-    per run. A run waiting for its turn idles (an idle engine sleeps; its worker polls Redis)."""
+    """Launch the run's worker on any core (`ready` pins it to core 0) and its scorer: every
+    run's start-up at once, so the demo waits for one engine start-up, not one per run. A run
+    waiting for its turn idles (an idle engine sleeps; its worker polls Redis)."""
     policy = f"demo-{run.name}-{uuid.uuid4().hex[:6]}"
     # The bar's clock starts with the training (the table's wall time), not with the worker's
     # start-up: a vLLM engine's tens of seconds are no part of a run's wall time.
@@ -289,16 +289,22 @@ def start_run(run: Run, s: DemoSettings, redis_url: str, model: Path, progress) 
         return Started(run, policy, task, log, worker, scorer, stack.pop_all())
 
 
+async def ready(started: Started, s: DemoSettings, redis_url: str) -> None:
+    """Until the run's scorer and worker beat; then its worker serves from core 0 (the
+    trainer has the other)."""
+    if started.scorer is not None:
+        await wait_for_worker(redis_url, started.policy, started.scorer, 120,
+                              s.out_dir / f"scorer-{started.run.name}.log", what="scorer")
+    await wait_for_worker(redis_url, started.policy, started.worker, s.worker_start_timeout_s,
+                          started.log)
+    pin_session(started.worker.pid, 0)
+
+
 async def run_mode(example, started: Started, s: DemoSettings, redis_url: str, model: Path, progress):
     from rollq import RolloutClient
 
     run, mode, task, log = started.run, started.run.name, started.task, started.log
     with started.stack:
-        if started.scorer is not None:
-            await wait_for_worker(redis_url, started.policy, started.scorer, 120,
-                                  s.out_dir / f"scorer-{mode}.log", what="scorer")
-        await wait_for_worker(redis_url, started.policy, started.worker, s.worker_start_timeout_s, log)
-        pin_session(started.worker.pid, 0)  # the worker's core; the trainer has the other
         trainer = example.GRPOTrainer(model)
 
         def on_step(st):
@@ -499,6 +505,8 @@ async def demo(s: DemoSettings) -> float | None:
             started = [start_run(run, s, redis_url, model, progress) for run in runs_of(s)]
             for one in started:
                 stack.enter_context(one.stack)  # stopped on the way out if its run never trains
+            # Every start-up ends before any run trains: none runs beside another's training.
+            await asyncio.gather(*(ready(one, s, redis_url) for one in started))
             for one in started:
                 runs[one.run.name] = await run_mode(example, one, s, redis_url, model, progress)
         if s.hold and s.gateway_port:
