@@ -110,7 +110,7 @@ async def test_over_sampling_aborts_the_groups_still_generating_in_the_engine(
     status = await client.status(job)
     assert (status.state, status.ok, status.cancelled, status.done) == ("cancelled", 2, 2, 4)
     # ... and what it generated for the long groups stops short of their 2 x 8 x 1000 tokens
-    # (about 40 % here: the pick and the worker's next renewal take a few seconds under load).
+    # (30-41 % in runs here: the pick and the worker's next renewal take seconds under load).
     cut = generated - 2 * n * (context - long_prompt)
     print(f"long groups: {cut:.0f} of {2 * n * max_tokens} tokens generated before the abort")
     assert 0 < cut < 0.9 * 2 * n * max_tokens, cut
