@@ -6,7 +6,8 @@ Each prompt has a token budget drawn from a long-tailed distribution (most answe
 few are very long), as completion lengths are in real RL: a synchronous trainer waits for the
 longest sample of every batch.
 
-Each step: take one batch of finished groups, compute group-normalised advantages, a clipped
+Each step: take one batch of finished groups, compute group-normalised advantages from their
+rewards (computed here, or by `rollq scorer` processes when the jobs name a reward), a clipped
 (truncated) importance ratio against the behaviour logprobs rollq returned (per token, so tokens
 of older versions are weighted by their own version's probabilities), step the optimiser, publish the
 weights as the next version, and submit one more batch. Synchronous mode (`max_staleness=0`)
@@ -72,6 +73,8 @@ class StepStats:
     wait_s: float = 0.0
     """Time the trainer waited for rollouts this step (the synchronous bubble)."""
     train_s: float = 0.0
+    reward_s: float = 0.0
+    """Time the trainer spent computing rewards this step (0 when scorers computed them)."""
 
 
 class GRPOTrainer:
@@ -81,16 +84,19 @@ class GRPOTrainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.max_ratio = max_ratio
 
-    def update(self, results: list[GroupResult]) -> float:
-        """One GRPO step on whole groups; returns the batch's mean reward."""
+    def update(self, results: list[GroupResult], rewards: list[list[float]] | None = None) -> float:
+        """One GRPO step on whole groups (`rewards`: each group's, per sample; default computed
+        here with `reward`); returns the batch's mean reward."""
         rows, advantages, behaviour = [], [], []
         rewards_all = []
-        for group in results:
+        if rewards is None:
+            rewards = [[reward(r.prompt_ids, s.token_ids) for s in r.samples] for r in results]
+        for group, group_rewards in zip(results, rewards):
             prompt = group.prompt_ids
-            rewards = torch.tensor([reward(prompt, s.token_ids) for s in group.samples])
-            rewards_all += rewards.tolist()
+            values = torch.tensor(group_rewards)
+            rewards_all += values.tolist()
             # Group-normalised advantage: each sample against its own group's mean.
-            adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            adv = (values - values.mean()) / (values.std() + 1e-4)
             for sample, a in zip(group.samples, adv.tolist()):
                 if sample.token_ids:
                     rows.append((prompt, sample.token_ids))
@@ -146,9 +152,23 @@ def token_staleness(version: int, batch: list[GroupResult]) -> Counter:
     return seen
 
 
+async def rewards_here(batch: list[GroupResult], score) -> list[list[float]]:
+    """The batch's rewards computed by the trainer with `score` (async (prompt, completion) ->
+    float), every sample at once: the best a trainer can do with a reward that waits (a
+    sandbox, a judge), and its step still waits for the slowest sample."""
+    values = iter(await asyncio.gather(*(score(r.prompt_ids, s.token_ids)
+                                         for r in batch for s in r.samples)))
+    return [[next(values) for _ in r.samples] for r in batch]
+
+
 async def train(client: RolloutClient, trainer: GRPOTrainer, *, steps: int, groups: int, n: int,
-                staleness: int, seed: int = 0, on_step=None) -> list[StepStats]:
-    """Run `steps` GRPO steps; `staleness` 0 is synchronous, k > 0 keeps k batches ahead."""
+                staleness: int, seed: int = 0, on_step=None, scored: str | None = None,
+                score=None) -> list[StepStats]:
+    """Run `steps` GRPO steps; `staleness` 0 is synchronous, k > 0 keeps k batches ahead.
+
+    `scored`: the name of a reward `rollq scorer` processes offer; the jobs name it and each
+    group arrives with its samples' rewards, computed while the trainer trains. Otherwise the
+    trainer computes them: `reward`, or `score` (async (prompt, completion) -> float)."""
     rng = random.Random(seed)
     version, began, stats = 0, time.monotonic(), []
     ahead = max(1, staleness)  # batches in flight; synchronous: one, submitted after each update
@@ -161,9 +181,11 @@ async def train(client: RolloutClient, trainer: GRPOTrainer, *, steps: int, grou
         consumed_at = version + ahead - 1
         jobs = set()
         for budget, prompts in make_batch(rng, groups).items():  # one job per budget
+            # A scored job: a sample the reward gave no value fails its group (a raise below).
+            reward_of = {} if scored is None else {"reward": scored, "reward_errors": "fail"}
             jobs.add(await client.submit(
                 prompts, n=n, sampling={"temperature": 1.0, "max_tokens": budget},
-                max_staleness=staleness, min_version=max(0, consumed_at - staleness)))
+                max_staleness=staleness, min_version=max(0, consumed_at - staleness), **reward_of))
         batches.append(jobs)
 
     async def take_batch(jobs: set[str]) -> list[GroupResult]:
@@ -184,8 +206,16 @@ async def train(client: RolloutClient, trainer: GRPOTrainer, *, steps: int, grou
             raise RuntimeError(f"step {step}: {len(failed)} groups failed ({failed[:1]}), "
                                f"{len(batch)} of {groups} arrived")
         staleness_seen = token_staleness(version, batch)
+        rewarded = time.monotonic()
+        if scored is not None:
+            rewards = [list(r.rewards) for r in batch]
+        elif score is not None:
+            rewards = await rewards_here(batch, score)
+        else:
+            rewards = None  # `update` computes them: a few microseconds
         trained = time.monotonic()
-        mean_reward = await asyncio.to_thread(trainer.update, batch)
+        rewarded = trained - rewarded
+        mean_reward = await asyncio.to_thread(trainer.update, batch, rewards)
         trained = time.monotonic() - trained
         await client.ack(batch)  # after the step that used them: a crash before it loses nothing
         version += 1
@@ -194,7 +224,7 @@ async def train(client: RolloutClient, trainer: GRPOTrainer, *, steps: int, grou
             await submit()
         tokens = sum(len(s.token_ids) for r in batch for s in r.samples)
         stats.append(StepStats(step, time.monotonic() - began, mean_reward, tokens, staleness_seen,
-                               waited, trained))
+                               waited, trained, rewarded))
         if on_step:
             on_step(stats[-1])
     return stats

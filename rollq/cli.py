@@ -324,10 +324,13 @@ def status(redis_url: str, policy: str | None) -> None:
 @click.option("--task", type=click.Choice(["even", "tools"]), default="even", show_default=True,
               help="even: single-turn GRPO, synchronous vs asynchronous; tools: GRPO over "
                    "multi-turn tool-use episodes (examples/tool_agent.py; --steps, --groups, --n).")
+@click.option("--long-tail-reward", is_flag=True,
+              help="even: two asynchronous runs with a reward waiting 0-2 s per sample, computed by "
+                   "the trainer vs by a `rollq scorer`: time per step, side by side.")
 def demo(steps: int | None, groups: int | None, n: int, staleness: int, out_dir: str, redis_url: str | None,
-         port: int, hold: bool, task: str) -> None:
-    """Asynchronous GRPO on CPU: a synchronous and an asynchronous run, side by side
-    (or, with --task tools, multi-turn tool-use episodes)."""
+         port: int, hold: bool, task: str, long_tail_reward: bool) -> None:
+    """Asynchronous GRPO on CPU: a synchronous and an asynchronous run, side by side, rewards
+    computed by a `rollq scorer` (or, with --task tools, multi-turn tool-use episodes)."""
     from rollq.harness.demo import DemoSettings
     from rollq.harness.demo import demo as run_demo
 
@@ -339,7 +342,8 @@ def demo(steps: int | None, groups: int | None, n: int, staleness: int, out_dir:
     steps, groups = steps or 40, groups or 16
 
     settings = DemoSettings(steps=steps, groups=groups, n=n, staleness=staleness,
-                            out_dir=Path(out_dir), redis_url=redis_url, gateway_port=port, hold=hold)
+                            out_dir=Path(out_dir), redis_url=redis_url, gateway_port=port, hold=hold,
+                            long_tail_reward=long_tail_reward)
     asyncio.run(run_demo(settings))
 
 

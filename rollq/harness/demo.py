@@ -1,8 +1,14 @@
 """`rollq demo`: asynchronous GRPO on CPU, synchronous vs asynchronous, side by side.
 
-Starts what it needs (a private redis-server unless REDIS_URL is set, one vLLM worker per run),
-trains `examples/async_grpo.py`'s tiny model twice with the same settings, cores and threads,
-and reports reward, wall time, throughput, staleness and the speed-up, with a PNG plot.
+Starts what it needs (a private redis-server unless REDIS_URL is set, one vLLM worker and one
+`rollq scorer` per run), trains `examples/async_grpo.py`'s tiny model twice with the same
+settings, cores and threads, and reports reward, wall time, throughput, staleness and the
+speed-up, with a PNG plot. The jobs are scored: the scorer computes each sample's reward
+(`rollq/harness/demo_rewards.py`) before the group reaches the trainer.
+
+`--long-tail-reward`: two asynchronous runs instead, with a reward that waits 0-2 s per sample
+(long-tailed), computed by the trainer in one run and by the scorer in the other: time per step,
+side by side.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -49,6 +56,27 @@ class DemoSettings:
     """The dashboard's port (a free one if it is taken); 0: no gateway."""
     hold: bool = False
     """Keep the gateway (and Redis) up after the runs, until Ctrl-C."""
+    long_tail_reward: bool = False
+    """Run the long-tailed reward in the trainer vs in a scorer, instead of sync vs async."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of the demo: its name, staleness bound and where rewards are computed."""
+
+    name: str
+    staleness: int
+    scored: str | None
+    """The reward its `rollq scorer` computes (the jobs name it); None: the trainer computes it."""
+    tail: bool = False
+    """The trainer computes `demo_rewards.even_after_a_wait` (not the example's instant reward)."""
+
+
+def runs_of(s: DemoSettings) -> list[Run]:
+    if s.long_tail_reward:
+        return [Run("trainer", s.staleness, None, tail=True),
+                Run("scorer", s.staleness, "even_long_tail")]
+    return [Run("sync", 0, "even"), Run("async", s.staleness, "even")]
 
 
 SWAP_MODE = "keep"
@@ -157,67 +185,150 @@ def gateway_process(redis_url: str, port: int, log_path: Path):
 
 
 @contextlib.contextmanager
-def worker_process(redis_url: str, policy: str, model: Path, log_path: Path, cpu: str):
+def worker_process(redis_url: str, policy: str, model: Path, log_path: Path, cpu: str,
+                   pin_at_start: bool = True):
+    """`pin_at_start`: the worker and its engine processes on core `cpu` from the start; else
+    they start on any core (`pin_session` pins them once they serve); vLLM's compute threads
+    are bound to `cpu` either way (VLLM_CPU_OMP_THREADS_BIND)."""
     args = [sys.executable, "-m", "rollq", "worker", "--redis-url", redis_url, "--policy", policy,
             "--engine", "vllm", "--model", str(model), "--dtype", "float32",
             "--max-model-len", "256", "--max-num-seqs", str(MAX_NUM_SEQS), "--enforce-eager",
             "--swap-mode", SWAP_MODE, "--poll-s", "0.05", "--lease-s", "10"]
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": cpu, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cores = {int(cpu)} if pin_at_start else set(range(os.cpu_count() or 1))
     with open(log_path, "w") as log:
         # The worker and its engine processes on one core, the trainer on the other.
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True,
-                                preexec_fn=lambda: os.sched_setaffinity(0, {int(cpu)}))
+                                start_new_session=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))
     try:
         yield proc
     finally:
         stop_child(proc, 60)  # its engine processes too
 
 
-async def wait_for_worker(redis_url: str, policy: str, proc, timeout_s: float, log: Path) -> None:
+def pin_session(leader: int, cpu: int) -> None:
+    """Every thread of every process in the session `leader` started (a worker and its engine
+    processes) onto core `cpu`; threads they start later inherit it."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # After the command's ")": state, ppid, pgrp, session.
+            if int(stat.read_text().rsplit(")", 1)[1].split()[3]) != leader:
+                continue
+            for thread in (stat.parent / "task").iterdir():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(thread.name), {cpu})
+
+
+REWARDS = "rollq.harness.demo_rewards"
+
+
+@contextlib.contextmanager
+def scorer_process(redis_url: str, policy: str, log_path: Path):
+    """`rollq scorer` with the demo's rewards (async: one process runs them all at once)."""
+    args = [sys.executable, "-m", "rollq", "scorer", "--redis-url", redis_url, "--policy", policy,
+            "--rewards", REWARDS, "--processes", "1", "--max-inflight", "256"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        stop_child(proc, 15)
+
+
+async def wait_for_worker(redis_url: str, policy: str, proc, timeout_s: float, log: Path,
+                          what: str = "worker") -> None:
+    """Until the worker (or, `what="scorer"`, the scorer) of `policy` beats."""
     from rollq.queue.connection import connect
     from rollq.queue.keys import Keys
     from rollq.queue.workers import live_workers
+    from rollq.scoring.records import live_scorers
 
+    live = live_scorers if what == "scorer" else live_workers
     redis = connect(redis_url)
     try:
         give_up = time.monotonic() + timeout_s
-        while not await live_workers(redis, Keys(policy)):
+        while not await live(redis, Keys(policy)):
             if proc.poll() is not None or time.monotonic() > give_up:
-                raise SystemExit(f"the worker did not start; its log: {log}")
+                raise SystemExit(f"the {what} did not start; its log: {log}")
             await asyncio.sleep(0.5)
     finally:
         await redis.aclose()
 
 
-async def run_mode(example, mode: str, s: DemoSettings, redis_url: str, model: Path, progress):
-    from rollq import RolloutClient
+@dataclass
+class Started:
+    """A run's worker (and scorer), launched: they start up while the demo goes on."""
 
-    policy = f"demo-{mode}-{uuid.uuid4().hex[:6]}"
-    staleness = 0 if mode == "sync" else s.staleness
+    run: Run
+    policy: str
+    task: Any
+    """Its progress bar."""
+    log: Path
+    worker: subprocess.Popen
+    scorer: subprocess.Popen | None
+    stack: contextlib.ExitStack
+    """Stops them."""
+
+
+def start_run(run: Run, s: DemoSettings, redis_url: str, model: Path, progress) -> Started:
+    """Launch the run's worker on any core (`ready` pins it to core 0) and its scorer: every
+    run's start-up at once, so the demo waits for one engine start-up, not one per run. A run
+    waiting for its turn idles (an idle engine sleeps; its worker polls Redis)."""
+    policy = f"demo-{run.name}-{uuid.uuid4().hex[:6]}"
     # The bar's clock starts with the training (the table's wall time), not with the worker's
     # start-up: a vLLM engine's tens of seconds are no part of a run's wall time.
-    task = progress.add_task(f"{mode:5} starting worker", total=s.steps, start=False)
-    log = s.out_dir / f"worker-{mode}.log"
-    with worker_process(redis_url, policy, model, log, cpu="0") as proc:
-        await wait_for_worker(redis_url, policy, proc, s.worker_start_timeout_s, log)
+    task = progress.add_task(f"{run.name:7} starting worker", total=s.steps, start=False)
+    log = s.out_dir / f"worker-{run.name}.log"
+    with contextlib.ExitStack() as stack:  # stops what started if the rest fails to
+        worker = stack.enter_context(worker_process(redis_url, policy, model, log, cpu="0",
+                                                    pin_at_start=False))
+        scorer = None
+        if run.scored:
+            scorer = stack.enter_context(scorer_process(redis_url, policy,
+                                                        s.out_dir / f"scorer-{run.name}.log"))
+        return Started(run, policy, task, log, worker, scorer, stack.pop_all())
+
+
+async def ready(started: Started, s: DemoSettings, redis_url: str) -> None:
+    """Until the run's scorer and worker beat; then its worker serves from core 0 (the
+    trainer has the other)."""
+    if started.scorer is not None:
+        await wait_for_worker(redis_url, started.policy, started.scorer, 120,
+                              s.out_dir / f"scorer-{started.run.name}.log", what="scorer")
+    await wait_for_worker(redis_url, started.policy, started.worker, s.worker_start_timeout_s,
+                          started.log)
+    pin_session(started.worker.pid, 0)
+
+
+async def run_mode(example, started: Started, s: DemoSettings, redis_url: str, model: Path, progress):
+    from rollq import RolloutClient
+
+    run, mode, task, log = started.run, started.run.name, started.task, started.log
+    with started.stack:
         trainer = example.GRPOTrainer(model)
 
         def on_step(st):
             progress.update(task, advance=1,
-                            description=f"{mode:5} step {st.step + 1:3}  reward {st.reward:.3f}")
+                            description=f"{mode:7} step {st.step + 1:3}  reward {st.reward:.3f}")
 
-        async with RolloutClient(redis_url, policy=policy, trainer_id=mode,
+        async with RolloutClient(redis_url, policy=started.policy, trainer_id=mode,
                                  weight_store=str(s.out_dir / "weights")) as client:
             timed = DemoClient(client, SWAP_MODE)
             before = cpu_times()
             progress.start_task(task)
             stats = await example.train(timed, trainer, steps=s.steps, groups=s.groups, n=s.n,
-                                        staleness=staleness, on_step=on_step)
+                                        staleness=run.staleness, on_step=on_step, scored=run.scored,
+                                        score=_trainer_tail if run.tail else None)
             CPU_BUSY[mode] = busy_percent(before, cpu_times())
     # The worker has stopped: its log holds every swap's line.
     TIMES[mode] = {"publish": sum(timed.publish_s), "swap": swap_phases(log)}
     return stats
+
+
+async def _trainer_tail(prompt: list[int], completion: list[int]) -> float:
+    from rollq.harness.demo_rewards import even_after_a_wait
+
+    return await even_after_a_wait(completion)
 
 
 TIMES: dict[str, dict] = {}
@@ -286,14 +397,20 @@ def generation_rates(sync, asyn) -> dict[str, float]:
 
 def report(runs: dict, s: DemoSettings) -> float | None:
     table = Table(title="rollq demo: GRPO on the 'even tokens' task")
-    for col in ("run", "reward", "wall", "waiting", "training", "tok/s"):
+    for col in ("run", "reward", "wall", "per step", "waiting", "rewarding", "training", "tok/s"):
         table.add_column(col)
     for mode, stats in runs.items():
         tokens = sum(st.tokens for st in stats)
         table.add_row(mode, f"{stats[0].reward:.3f} → {smoothed([x.reward for x in stats])[-1]:.3f}",
-                      f"{stats[-1].wall_s:.1f} s", f"{sum(x.wait_s for x in stats):.1f} s",
+                      f"{stats[-1].wall_s:.1f} s", f"{stats[-1].wall_s / len(stats):.2f} s",
+                      f"{sum(x.wait_s for x in stats):.1f} s", f"{sum(x.reward_s for x in stats):.1f} s",
                       f"{sum(x.train_s for x in stats):.1f} s", f"{tokens / stats[-1].wall_s:.0f}")
     console.print(table)
+    for run in runs_of(s):
+        where = (f"its `rollq scorer` (reward {run.scored!r} of {REWARDS}), while the trainer "
+                 "trained; the trainer waited for them within 'waiting'" if run.scored else
+                 "the trainer itself, all of a step's samples at once ('rewarding')")
+        console.print(f"{run.name} rewards: computed by {where}")
     for mode, stats in runs.items():
         stale = sum((st.staleness for st in stats), start=Counter())
         console.print(f"{mode} staleness (versions behind the trainer: tokens): "
@@ -311,6 +428,8 @@ def report(runs: dict, s: DemoSettings) -> float | None:
                       f"before them, verify {swap.get('verify', 0.0):.1f} s while serving) (worker), "
                       f"waiting {sum(x.wait_s for x in runs[mode]):.1f} s, "
                       f"training {sum(x.train_s for x in runs[mode]):.1f} s")
+    if s.long_tail_reward:
+        return report_long_tail(runs)
     sync, asyn = runs["sync"], runs["async"]
     rates = generation_rates(sync, asyn)
     console.print(f"generation: sync {rates['sync']:.0f} tokens/s while the trainer waited, async "
@@ -324,6 +443,19 @@ def report(runs: dict, s: DemoSettings) -> float | None:
         console.print(f"time to reward {target:.3f} (sync's final, less 0.02), async / sync: "
                       f"[bold]{ratio:.2f}x[/bold] ({time_to(asyn, target):.1f} s vs "
                       f"{time_to(sync, target):.1f} s)")
+    return ratio
+
+
+def report_long_tail(runs: dict) -> float:
+    """Time per step with the long-tailed reward in the trainer vs in the scorer; returns the
+    ratio scorer / trainer."""
+    from rollq.harness.demo_rewards import TAIL_S
+
+    per_step = {mode: stats[-1].wall_s / len(stats) for mode, stats in runs.items()}
+    ratio = per_step["scorer"] / per_step["trainer"]
+    console.print(f"a reward waiting 0-{TAIL_S:g} s per sample (long-tailed, mean {TAIL_S / 5:g} s), "
+                  f"time per step: trainer {per_step['trainer']:.2f} s, scorer "
+                  f"{per_step['scorer']:.2f} s, scorer / trainer: [bold]{ratio:.2f}x[/bold]")
     return ratio
 
 
@@ -341,7 +473,7 @@ def plot(runs: dict, path: Path) -> None:
         ax.plot([st.wall_s for st in stats], smoothed([st.reward for st in stats]), label=mode)
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("reward (moving average of 5 steps)")
-    ax.set_title("GRPO with rollq: synchronous vs asynchronous")
+    ax.set_title("GRPO with rollq: " + " vs ".join(runs))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -370,8 +502,13 @@ async def demo(s: DemoSettings) -> float | None:
         with Progress(TextColumn("{task.description}"), BarColumn(),
                       TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                       console=console) as progress:
-            for mode in ("sync", "async"):
-                runs[mode] = await run_mode(example, mode, s, redis_url, model, progress)
+            started = [start_run(run, s, redis_url, model, progress) for run in runs_of(s)]
+            for one in started:
+                stack.enter_context(one.stack)  # stopped on the way out if its run never trains
+            # Every start-up ends before any run trains: none runs beside another's training.
+            await asyncio.gather(*(ready(one, s, redis_url) for one in started))
+            for one in started:
+                runs[one.run.name] = await run_mode(example, one, s, redis_url, model, progress)
         if s.hold and s.gateway_port:
             console.print(f"the dashboard stays at {url} until Ctrl-C")
             await _until_interrupted()
@@ -381,7 +518,6 @@ async def demo(s: DemoSettings) -> float | None:
         {mode: [dataclasses.asdict(st) | {"staleness": dict(st.staleness)} for st in stats]
          for mode, stats in runs.items()}, indent=1))
     (s.out_dir / "cpu_busy.json").write_text(json.dumps(CPU_BUSY))
-    (s.out_dir / "times.json").write_text(json.dumps(
-        TIMES | {"generation": generation_rates(runs["sync"], runs["async"]), "swap_mode": SWAP_MODE},
-        indent=1))
+    rates = {} if s.long_tail_reward else {"generation": generation_rates(runs["sync"], runs["async"])}
+    (s.out_dir / "times.json").write_text(json.dumps(TIMES | rates | {"swap_mode": SWAP_MODE}, indent=1))
     return ratio
