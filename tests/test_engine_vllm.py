@@ -69,6 +69,24 @@ async def test_seeded_n8_is_reproducible_and_arrives_together(make_client, make_
     assert len({tuple(t) for t in runs[0]}) > 1, "8 samples at temperature 1 should differ"
 
 
+async def test_seeded_groups_longer_than_a_step_are_served(make_client, make_vllm_worker):
+    """8 seeded groups of 240-token prompts (n=4) fill more than the engine's 2,048-token step: with
+    chunked prefill, vLLM's CPU build split a prompt across steps and then crashed its engine core
+    rewinding the request's generator ("CPU Generator does not use offset"; engine/vllm.py
+    `whole_prefills`). Every group is served, and a seed still gives the same samples."""
+    client = make_client()
+    make_vllm_worker()
+    prompts = [[1] + [(g * 37 + i) % 500 + 2 for i in range(239)] for g in range(8)]
+    sampling = {"temperature": 1.0, "max_tokens": 8, "seed": 7}
+    runs = []
+    for _ in range(2):
+        await client.submit(prompts, n=4, sampling=sampling)
+        results = sorted(await collect(client, len(prompts), timeout_s=120), key=lambda r: r.group_index)
+        assert [r.status for r in results] == ["ok"] * len(prompts), [r.reason for r in results]
+        runs.append([[s.token_ids for s in r.samples] for r in results])
+    assert runs[0] == runs[1]
+
+
 async def test_top_logprobs_are_ranked_and_hold_the_sampled_token(make_client, make_vllm_worker,
                                                                    reference):
     client = make_client()

@@ -152,6 +152,26 @@ def _prompt_scores(output: Any, top_n: int | None, tokenizer: Any | None) -> Sam
                   token_texts=token_texts, top_texts=top_texts)
 
 
+def whole_prefills(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """On vLLM's CPU build, every prompt is prefilled in one engine step (no chunked prefill).
+
+    After a step that prefilled part of a prompt, vLLM's model runner rewinds the request's
+    sampling generator (`gen.set_offset`), which a CPU generator refuses ("CPU Generator does not
+    use offset"): one seeded request whose prompt was split across steps (16 seeded groups of
+    250 tokens fill the 2,048-token step) killed the engine core, and with it every group on the
+    worker. Without chunked prefill vLLM raises the step's budget to the model length itself.
+    GPU generators take offsets: nothing changes there. An operator's explicit
+    `enable_chunked_prefill=True` on CPU is refused rather than left to crash on a seed."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    if kwargs.get("enable_chunked_prefill"):
+        raise ValueError("engine_args.enable_chunked_prefill=True: vLLM's CPU build crashes on a "
+                         "seeded request whose prefill is split across steps; leave it unset")
+    return {"enable_chunked_prefill": False}
+
+
 class VLLMEngine:
     def __init__(self, llm: Any, *, version: int = 0, has_tokenizer: bool = False,
                  weights_path: str = "", parsers: dict[str, Any] | None = None):
@@ -190,6 +210,7 @@ class VLLMEngine:
         zero_adapter = kwargs.get("enable_lora") and lora.needed()
         if zero_adapter:  # a slot of its own (see engine/lora.py)
             kwargs["max_loras"] += 1
+        kwargs |= whole_prefills(kwargs)
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         engine = cls(llm, version=version, has_tokenizer=not kwargs["skip_tokenizer_init"],
                      weights_path=settings.model, parsers=dict(
