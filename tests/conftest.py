@@ -23,7 +23,7 @@ from rollq.queue.connection import connect
 from rollq.worker.build import build_worker
 from rollq.worker.loop import Worker
 from rollq.children import stop_child
-from vllm_servers import SHARED, SHARED_FIXTURES, ModuleGroups  # noqa: F401 (and the fixtures below)
+from vllm_servers import SHARED, SHARED_FIXTURES, ModuleGroups
 from vllm_servers import chat_engine, chat_model, chat_server, hermes_engine, tool_model  # noqa: F401
 
 
