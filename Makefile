@@ -50,12 +50,13 @@ lint: setup
 	$(BIN)/ruff check rollq tests examples bench
 
 # Two parts: the suite on TEST_WORKERS processes (pytest-xdist; a module's tests stay together, so
-# its engine or server starts once), then the few tests that time the gateway's answers by the
-# wall clock, alone. The second part's table of slowest tests is the whole run's.
+# its engine or server starts once, and modules that share a session engine or vLLM server run in
+# one process: `--dist loadgroup`, tests/vllm_servers.py), then the few tests that time the
+# gateway's answers by the wall clock, alone. The second part's table of slowest tests is the whole run's.
 TEST_WORKERS ?= 2
 test: setup lint
 	rm -f .test-durations.json
-	ROLLQ_TEST_DURATIONS=.test-durations.json $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not alone"
+	ROLLQ_TEST_DURATIONS=.test-durations.json $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
 	ROLLQ_TEST_DURATIONS=.test-durations.json $(BIN)/python -m pytest -m alone
 
 # The main job: asynchronous vs synchronous GRPO on CPU (a private redis-server unless REDIS_URL).

@@ -23,6 +23,8 @@ from rollq.queue.connection import connect
 from rollq.worker.build import build_worker
 from rollq.worker.loop import Worker
 from rollq.children import stop_child
+from vllm_servers import SHARED, SHARED_FIXTURES, ModuleGroups
+from vllm_servers import chat_engine, chat_model, chat_server, hermes_engine, tool_model  # noqa: F401
 
 
 # --- the run's slowest tests and its total, printed last (after pytest's own summary line) -----
@@ -36,6 +38,30 @@ _session_began = time.monotonic()
 def pytest_runtest_logreport(report):
     # setup + call + teardown: a module's fixture set-up is paid by its first test.
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs `--dist loadgroup`: each module's tests in one process, as `--dist loadfile`
+    does, and the modules that share a session engine or vLLM server (`SHARED`) in the same one.
+    (pytest-xdist 3.8's own loadgroup reads `xdist_group` marks through an item attribute that
+    pytest 9 no longer uses: every test became a group of its own.)"""
+    if config.getvalue("dist") == "loadgroup":
+        return ModuleGroups(config, log)
+    return None
+
+
+def pytest_collection_modifyitems(items):
+    """A module that uses a shared session engine or server must be in its `SHARED` group, or
+    `make test` would start that engine or server again in the other process."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        defs = getattr(item, "_fixtureinfo", None)
+        for fixture, group in SHARED_FIXTURES.items():
+            used = defs is not None and fixture in defs.name2fixturedefs and \
+                defs.name2fixturedefs[fixture][-1].func.__module__ == "vllm_servers"
+            if used and SHARED.get(module) != group:
+                raise pytest.UsageError(f"{module} uses the shared fixture {fixture}: add it to "
+                                        f"SHARED[{module!r}] = {group!r} in tests/vllm_servers.py")
 
 
 def pytest_unconfigure(config):

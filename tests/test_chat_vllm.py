@@ -2,94 +2,26 @@
 against vLLM's own OpenAI server: the same chat requests to both must give the same JSON.
 
 One vLLM server (a subprocess) and one in-process engine serve this module, on one tiny model
-made here with a word-level tokenizer and a chat template (tests/models.py).
+with a word-level tokenizer and a chat template (tests/models.py): the session's, shared with
+test_streaming_vllm and test_tokenize_vllm (tests/vllm_servers.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
 from models import greedy, load_reference, make_chat_model, token_logprobs
 
-from rollq.harness.faults import free_port
 from rollq.protocol import Sampling
-from rollq.worker.pool import reap_group
 
 LOGPROB_TOLERANCE = 1e-4
 SYSTEM = {"role": "system", "content": "w10 w11 w12"}
 USER = {"role": "user", "content": "w20 w21 w22 w23"}
 TOOLS = [{"type": "function", "function": {"name": "w33", "description": "w34", "parameters": {}}},
          {"type": "function", "function": {"name": "w44", "parameters": {"type": "object"}}}]
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> Path:
-    return make_chat_model(tmp_path_factory.mktemp("chat-model") / "m")
-
-
-class VLLMServer:
-    """`python -m vllm.entrypoints.openai.api_server` on a free loopback port, in its own session."""
-
-    def __init__(self, model: Path, log_path: Path, *args: str, max_model_len: int = 256):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(max_model_len),
-             "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
-             # rollq's workers accept a request's chat_template; vLLM only with this flag.
-             "--trust-request-chat-template", *args],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"})
-
-    async def ready(self, timeout_s: float = 600) -> str:
-        give_up = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < give_up:
-                assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-                try:
-                    async with http.get(f"{self.url}/health") as r:
-                        if r.status == 200:
-                            return self.url
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.5)
-        raise AssertionError(f"vLLM's server did not come up in {timeout_s} s")
-
-    def close(self) -> None:
-        reap_group(self.proc.pid)
-        self.proc.wait(30)
-        self._log.close()
-
-
-@pytest.fixture(scope="module")
-def vllm_server(chat_model, tmp_path_factory):
-    server = VLLMServer(chat_model, tmp_path_factory.mktemp("vllm-server") / "server.log")
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-async def chat_engine(chat_model, vllm_server):
-    """The rollq side's engine, started while vLLM's server starts (it depends on it for that)."""
-    from conftest import engine_flags
-
-    from rollq.config import VLLMSettings
-    from rollq.engine.vllm import VLLMEngine
-
-    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(chat_model)).validate())
-    yield engine
-    await engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -219,9 +151,9 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict, headers: dict
         return data
 
 
-async def test_chat_completions_equal_vllms_own_server(make_gateway, chat_worker, vllm_server, policy):
+async def test_chat_completions_equal_vllms_own_server(make_gateway, chat_worker, chat_server, policy):
     gw = await make_gateway(trust_request_chat_template=True)  # as the server: for "own-template"
-    theirs_url = await vllm_server.ready()
+    theirs_url = await chat_server.ready()
     async with aiohttp.ClientSession() as http:
         plain = await _post(http, theirs_url, BASE | {"model": "tiny"})
         words = plain["choices"][0]["message"]["content"].split()
@@ -238,9 +170,9 @@ async def test_chat_completions_equal_vllms_own_server(make_gateway, chat_worker
     assert theirs["choices"][0]["finish_reason"] == "stop" and theirs["choices"][0]["stop_reason"] == words[4]
 
 
-async def test_the_openai_client_chats_unchanged(make_gateway, chat_worker, vllm_server, policy):
+async def test_the_openai_client_chats_unchanged(make_gateway, chat_worker, chat_server, policy):
     gw = await make_gateway()
-    theirs_url = await vllm_server.ready()
+    theirs_url = await chat_server.ready()
     request = dict(messages=[SYSTEM, USER], max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
     token = gw.tokens["alice"]
     async with (openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=token, max_retries=0) as ours,
@@ -273,7 +205,7 @@ COMPLETION_CASES = {
 }
 
 
-async def test_completions_equal_vllms_own_server(make_gateway, chat_worker, vllm_server, chat_model,
+async def test_completions_equal_vllms_own_server(make_gateway, chat_worker, chat_server, chat_model,
                                                   policy):
     """The whole JSON of /v1/completions, with and without a tokenizer at the gateway: the
     worker's model has one, so text and token strings are vLLM's own decoding either way."""
@@ -281,7 +213,7 @@ async def test_completions_equal_vllms_own_server(make_gateway, chat_worker, vll
 
     gateways = {"no tokenizer": await make_gateway(),
                 "tokenizer": await make_gateway(tokenizer=load_tokenizer(str(chat_model)))}
-    theirs_url = await vllm_server.ready()
+    theirs_url = await chat_server.ready()
     async with aiohttp.ClientSession() as http:
         async def post(url: str, body: dict, headers: dict | None = None) -> dict:
             async with http.post(f"{url}/v1/completions", json=body, headers=headers) as r:
@@ -352,11 +284,11 @@ async def test_a_model_without_a_chat_template_fails_chats_and_the_worker_goes_o
 
 
 async def test_tools_without_a_tool_choice_on_a_worker_without_parser_flags_fail_as_vllms(
-        make_gateway, chat_worker, vllm_server, policy):
+        make_gateway, chat_worker, chat_server, policy):
     """vLLM's default with tools is "auto", which a server without --enable-auto-tool-choice
     refuses: so does rollq (it used to answer 200 with the tool-call markup as content)."""
     gw = await make_gateway()
-    theirs_url = await vllm_server.ready()
+    theirs_url = await chat_server.ready()
     body = BASE | dict(tools=TOOLS)
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{theirs_url}/v1/chat/completions", json=body | {"model": "tiny"}) as r:

@@ -17,29 +17,19 @@ import json
 import aiohttp
 import openai
 import pytest
-from models import WEATHER_TOOL, make_tool_model
+from models import WEATHER_TOOL
 
 from rollq.conversations import HEADER
 
-MAX_MODEL_LEN = 2048
 USER = {"role": "user", "content": "What is the weather in Paris and Tokyo?"}
 SAMPLING = dict(tools=[WEATHER_TOOL], max_tokens=48, temperature=0, logprobs=True,
                 extra_body={"return_token_ids": True})
 
 
 @pytest.fixture(scope="module")
-async def tool_engine(tmp_path_factory):
-    from conftest import engine_flags
-
-    from rollq.config import VLLMSettings
-    from rollq.engine.vllm import VLLMEngine
-
-    model = make_tool_model(tmp_path_factory.mktemp("tool-model") / "m")
-    settings = VLLMSettings(**engine_flags(model) | dict(max_model_len=MAX_MODEL_LEN),
-                            enable_auto_tool_choice=True, tool_call_parser="hermes").validate()
-    engine = await VLLMEngine.start(settings)
-    yield engine
-    await engine.close()
+def tool_engine(hermes_engine):
+    """The session's tool model engine with the hermes parser, shared with test_tools_vllm."""
+    return hermes_engine
 
 
 def _contains(ids: list[int], part: list[int]) -> bool:

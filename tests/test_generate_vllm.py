@@ -11,7 +11,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from conftest import ENGINE_MAX_MODEL_LEN
-from test_chat_vllm import VLLMServer, assert_same
+from test_chat_vllm import assert_same
+from vllm_servers import VLLMServer
 
 ROUTE = "/inference/v1/generate"
 PROMPT = [1, 5, 6, 7]

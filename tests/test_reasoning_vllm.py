@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 from models import make_reasoning_model
 from streams import join, sse
-from test_chat_vllm import VLLMServer, assert_same
+from test_chat_vllm import assert_same
+from vllm_servers import VLLMServer
 
 PARSER = "deepseek_r1"
 USER = {"role": "user", "content": "What is 2+2?"}

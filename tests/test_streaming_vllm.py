@@ -13,11 +13,10 @@ from streams import join, kinds, shape, sse
 import test_chat_vllm as chat
 from test_chat_vllm import BASE, COMPLETION_BASE, SYSTEM, USER, assert_same
 
-# test_chat_vllm's module fixtures (its model, vLLM server, engine, worker), shared with it here.
-chat_model, vllm_server, chat_engine, chat_worker = (chat.chat_model, chat.vllm_server, chat.chat_engine,
-                                                     chat.chat_worker)
+chat_worker = chat.chat_worker  # test_chat_vllm's worker on the session's chat engine
 
-# The first test's setup starts vLLM's server and an engine: seen past 300 s on the loaded 2-core box.
+# The first test of its process's chat modules starts vLLM's server and an engine: seen past 300 s
+# on the loaded 2-core box.
 pytestmark = pytest.mark.timeout(900)
 
 USAGE = {"stream_options": {"include_usage": True}}
@@ -67,12 +66,12 @@ def _shape(chunk: dict):
 
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
-async def test_streams_join_to_vllms_own(make_gateway, chat_worker, vllm_server, policy, route):
+async def test_streams_join_to_vllms_own(make_gateway, chat_worker, chat_server, policy, route):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
     from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse
 
     gw = await make_gateway()
-    theirs_url = await vllm_server.ready()
+    theirs_url = await chat_server.ready()
     if route == "chat":
         base, cases, path, model = BASE, CHAT_CASES, "/v1/chat/completions", ChatCompletionStreamResponse
     else:
@@ -89,11 +88,11 @@ async def test_streams_join_to_vllms_own(make_gateway, chat_worker, vllm_server,
                 raise AssertionError(f"case {name}: {e}\nvLLM: {theirs}\nrollq: {ours}"[:8000]) from None
 
 
-async def test_the_openai_sdk_and_langchain_stream_unchanged(make_gateway, chat_worker, vllm_server, policy):
+async def test_the_openai_sdk_and_langchain_stream_unchanged(make_gateway, chat_worker, chat_server, policy):
     from langchain_openai import ChatOpenAI
 
     gw = await make_gateway()
-    theirs_url = await vllm_server.ready()
+    theirs_url = await chat_server.ready()
     request = dict(messages=[SYSTEM, USER], max_tokens=8, temperature=0, stream=True,
                    stream_options={"include_usage": True})
     streamed = {}

@@ -1,19 +1,20 @@
 """`POST /tokenize`, `POST /detokenize` and `/v1/models`' max_model_len against vLLM's own OpenAI
 server (issue 26): the same requests to both give the same JSON. The gateway tokenizes with its
 `--tokenizer` (the chat model's), in its render helpers; its worker here is an instant one that
-reports the server's max_model_len, so one vLLM process serves the module.
+reports the server's max_model_len, so one vLLM process serves the module: the session's chat
+server (tests/vllm_servers.py).
 """
 
 from __future__ import annotations
 
 import aiohttp
 import pytest
-from test_chat_vllm import SYSTEM, TOOLS, USER, VLLMServer
+from test_chat_vllm import SYSTEM, TOOLS, USER
 
 from rollq.engine.instant import InstantEngine
 
 MAX_MODEL_LEN = 256
-"""VLLMServer's --max-model-len."""
+"""The session's chat server's --max-model-len (tests/vllm_servers.py)."""
 ASSISTANT = {"role": "assistant", "content": "w30 w31"}
 TEMPLATE = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}w99"
 
@@ -29,21 +30,6 @@ TOKENIZE = [
     {"messages": [USER, ASSISTANT], "chat_template": TEMPLATE, "return_token_strs": True},
 ]
 DETOKENIZE = [{"tokens": [1, 10, 11, 5]}, {"tokens": []}, {"tokens": [3, 200, 7, 2, 511]}]
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    from models import make_chat_model
-
-    return make_chat_model(tmp_path_factory.mktemp("chat-model") / "m")
-
-
-@pytest.fixture(scope="module")
-def vllm_server(chat_model, tmp_path_factory):
-    server = VLLMServer(chat_model, tmp_path_factory.mktemp("vllm-server") / "server.log",
-                        max_model_len=MAX_MODEL_LEN)
-    yield server
-    server.close()
 
 
 @pytest.fixture
@@ -65,8 +51,8 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int,
         return r.status, await r.json()
 
 
-async def test_tokenize_detokenize_and_models_equal_vllms_own(gateway, vllm_server, policy):
-    theirs = await vllm_server.ready()
+async def test_tokenize_detokenize_and_models_equal_vllms_own(gateway, chat_server, policy):
+    theirs = await chat_server.ready()
     async with aiohttp.ClientSession(headers=gateway.headers()) as ours, aiohttp.ClientSession() as vllm:
         for path, bodies in (("/tokenize", TOKENIZE), ("/detokenize", DETOKENIZE)):
             for body in bodies:
@@ -84,9 +70,9 @@ async def test_tokenize_detokenize_and_models_equal_vllms_own(gateway, vllm_serv
         assert mine["max_model_len"] == card["max_model_len"] == MAX_MODEL_LEN
 
 
-async def test_what_vllm_refuses_rollq_refuses(gateway, vllm_server, policy):
+async def test_what_vllm_refuses_rollq_refuses(gateway, chat_server, policy):
     """What vLLM's server refuses up front, the gateway refuses too: a 400 naming the field."""
-    theirs = await vllm_server.ready()
+    theirs = await chat_server.ready()
     # (chat_template_kwargs.tokenize: vLLM 0.32's server answers 200 and the gateway a 400,
     # the stricter side of the rule: tests/test_gateway_render.py.)
     bad = [("/tokenize", {"messages": [USER], "add_generation_prompt": True, "continue_final_message": True}),

@@ -4,12 +4,11 @@ after <|pythonic|>, and hermes markup after a user turn, which this parser must 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import aiohttp
 import pytest
-from models import make_tool_model
-from test_chat_vllm import VLLMServer, assert_same
+from test_chat_vllm import assert_same
+from vllm_servers import VLLMServer
 from test_tools_vllm import BASE, HISTORY, MAX_MODEL_LEN, NAMED, USER, _post
 
 PYTHONIC = [USER, {"role": "assistant", "content": "<|pythonic|>"}]
@@ -22,11 +21,6 @@ CASES = {
     "named": dict(tool_choice=NAMED),
     "round trip": dict(messages=HISTORY),
 }
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory) -> Path:
-    return make_tool_model(tmp_path_factory.mktemp("tool-model") / "m")
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,18 @@ a tool round trip on both.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import aiohttp
 import httpx
 import openai
 import pytest
-from models import WEATHER_TOOL, make_tool_model
+from models import WEATHER_TOOL
 from streams import join, sse
-from test_chat_vllm import VLLMServer, assert_same
+from test_chat_vllm import assert_same
+from vllm_servers import TOOL_MAX_MODEL_LEN, VLLMServer
 
 PARSER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = TOOL_MAX_MODEL_LEN
 USER = {"role": "user", "content": "What is the weather in Paris and Tokyo?"}
 CALLS = [{"id": f"call_{i}", "type": "function",
           "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
@@ -56,11 +56,6 @@ REFUSED = {
 
 
 @pytest.fixture(scope="module")
-def tool_model(tmp_path_factory) -> Path:
-    return make_tool_model(tmp_path_factory.mktemp("tool-model") / "m")
-
-
-@pytest.fixture(scope="module")
 def vllm_server(tool_model, tmp_path_factory):
     server = VLLMServer(tool_model, tmp_path_factory.mktemp("vllm-tools") / "server.log", *PARSER_FLAGS,
                         max_model_len=MAX_MODEL_LEN)
@@ -69,17 +64,9 @@ def vllm_server(tool_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-async def tool_engine(tool_model, vllm_server):
-    from conftest import engine_flags
-
-    from rollq.config import VLLMSettings
-    from rollq.engine.vllm import VLLMEngine
-
-    settings = VLLMSettings(**engine_flags(tool_model) | dict(max_model_len=MAX_MODEL_LEN),
-                            enable_auto_tool_choice=True, tool_call_parser="hermes").validate()
-    engine = await VLLMEngine.start(settings)
-    yield engine
-    await engine.close()
+def tool_engine(vllm_server, hermes_engine):
+    """The session's hermes engine (tests/vllm_servers.py), started while vLLM's server starts."""
+    return hermes_engine
 
 
 @pytest.fixture

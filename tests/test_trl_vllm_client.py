@@ -1,5 +1,6 @@
 """TRL's own `VLLMClient` (trl 1.16, unchanged) against rollq's gateway, served by one real vLLM
 (CPU) worker of a tiny model with a tokenizer and a chat template, checked against transformers.
+The model and engine are the session's chat ones (tests/vllm_servers.py).
 
 The client is synchronous (requests), the gateway and worker run on this test's event loop: every
 client call goes through `asyncio.to_thread`.
@@ -8,12 +9,11 @@ client call goes through `asyncio.to_thread`.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 import requests
 import torch
-from models import greedy, load_reference, make_chat_model, token_logprobs
+from models import greedy, load_reference, token_logprobs
 
 pytest.importorskip("trl")
 from trl.generation.vllm_client import VLLMClient  # noqa: E402
@@ -25,27 +25,10 @@ USER = {"role": "user", "content": "w20 w21 w22 w23"}
 
 
 @pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> Path:
-    return make_chat_model(tmp_path_factory.mktemp("trl-model") / "m")
-
-
-@pytest.fixture(scope="module")
 def chat_reference(chat_model):
     from transformers import AutoTokenizer
 
     return load_reference(chat_model), AutoTokenizer.from_pretrained(chat_model)
-
-
-@pytest.fixture(scope="module")
-async def chat_engine(chat_model):
-    from conftest import engine_flags
-
-    from rollq.config import VLLMSettings
-    from rollq.engine.vllm import VLLMEngine
-
-    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(chat_model)).validate())
-    yield engine
-    await engine.close()
 
 
 @pytest.fixture
