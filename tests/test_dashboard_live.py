@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -25,6 +26,7 @@ from rollq.scoring.records import live_scorers
 spawn_scorer = scoring_fixtures.spawn_scorer
 
 BEAT_LEASE_S = 30  # heartbeats lease/3 = 10 s apart
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 async def _policy(http, policy: str) -> dict | None:
@@ -172,6 +174,11 @@ async def test_rewards_per_trainer_and_job_scoring_time_and_counts(make_gateway,
     assert any(m is not None for m in means)
     [shown] = p["scorers"]
     assert (shown["id"], shown["rewards"]["count"], shown["scored"]) == (scorer.scorer_id, "7", 14)
+    if CHROMIUM or os.environ.get("CI"):  # the page draws them (`make setup` installs chromium)
+        dom = await _dom(f"{gw.url}/?policy={policy}#token={gw.tokens['alice']}")
+        assert dom.count('class="uplot') == 5  # + rewards, scoring
+        assert f"<td>{dynamic}</td>" in dom and f"<td>{jobs['alice']['mean']:.3f} ± " in dom
+        assert f"<td>{scorer.scorer_id}</td>" in dom
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "rollq", "status", "--redis-url", redis_url, "--policy", policy,
@@ -188,3 +195,12 @@ async def test_rewards_per_trainer_and_job_scoring_time_and_counts(make_gateway,
 
 async def _has_scorer(client, scorer_id: str) -> bool:
     return scorer_id in {s.scorer_id for s in await live_scorers(client.redis, client.keys)}
+
+
+async def _dom(page: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=6000",
+        "--dump-dom", page, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 90)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    return out.decode()

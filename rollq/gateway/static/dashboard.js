@@ -68,7 +68,7 @@ function scoring(p) {
 function tiles(p) {
   const s = p.series, last = (a) => (a.length ? a[a.length - 1] : 0);
   const done = Object.values(p.results).reduce((a, b) => a + b, 0);
-  const items = [["newest version", p.latest ?? "–"], ["groups done", done], ["ok", p.groups.ok || 0],
+  const items = [["newest version", p.latest ?? "–"], ["groups done", done], ["generated ok", p.groups.ok || 0],
                  ["failed", (p.groups.failed || 0) + (p.groups.expired || 0)],
                  ["groups/s", last(s.groups_per_s).toFixed(2)], ["tokens/s", last(s.tokens_per_s).toFixed(0)],
                  ["waiting", last(s.waiting)], ["running", last(s.running)], ["workers", p.workers.length]];
