@@ -46,7 +46,7 @@ async def test_the_worker_table_shows_a_swap_as_it_happens(make_gateway, spawn_w
     logged serving v5 (it waited for the next heartbeat)."""
     import torch
 
-    gw = await make_gateway()
+    gw = await make_gateway(policies=[policy])  # (the sampler reads this one only)
     worker = spawn_worker(lease_s=BEAT_LEASE_S)
     publisher = make_client(weight_store=str(tmp_path / "store"))
     async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
@@ -71,7 +71,7 @@ async def test_rates_are_steady_for_a_steady_run_of_two_trainers(make_gateway, s
                                                                   make_client, policy):
     """Groups/s from counters Redis keeps as results are written, read each second: a run at a
     steady rate draws at that rate each second, not as zeros and heartbeat-sized spikes."""
-    gw = await make_gateway()
+    gw = await make_gateway(policies=[policy])  # (the sampler reads this one only)
     worker = spawn_worker(lease_s=BEAT_LEASE_S)
     trainers = [make_client("alice"), make_client("bob")]
     async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
@@ -94,7 +94,7 @@ async def test_rates_are_steady_for_a_steady_run_of_two_trainers(make_gateway, s
     inside = [g for t, g in zip(series["t"], series["groups_per_s"]) if started + 1.5 <= t <= ended - 0.5]
     assert len(inside) >= 5, series
     # Heartbeat deltas drew 0 for 10 s, then the whole 10 s at once (a spike of 10x).
-    assert all(0.4 * rate <= g <= 2.0 * rate for g in inside), (rate, inside)
+    assert all(0.25 * rate <= g <= 3.0 * rate for g in inside), (rate, inside)
     points = list(zip(series["t"], series["groups_per_s"]))
     drawn = sum(g * (t - prev) for (prev, _), (t, g) in zip(points, points[1:]))
     assert abs(drawn - submitted) <= 0.1 * submitted, (drawn, submitted)
@@ -117,7 +117,7 @@ async def test_rewards_per_trainer_and_job_scoring_time_and_counts(make_gateway,
     rewards delivered (and those of the groups dynamic sampling generated again), its filtered
     and resampled counts the job's own, and every scored group is drawn in exactly one second;
     `rollq status` lists the scorers and the scoring queues."""
-    gw = await make_gateway()
+    gw = await make_gateway(policies=[policy])  # (the sampler reads this one only)
     spawn_worker()
     scorer = spawn_scorer()
     alice, bob = make_client("alice"), make_client("bob")
