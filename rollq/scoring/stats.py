@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -106,6 +105,10 @@ class ScoringStats:
         before its `at`) and the gateway lays them out per second, one per scorer each."""
         while True:
             await asyncio.sleep(TALLY_EVERY_S - time.time() % TALLY_EVERY_S + 0.01)
-            if await self.add(redis, keys, time.time()):
-                with contextlib.suppress(RedisError):  # the renewal loop beats again
+            try:
+                if await self.add(redis, keys, time.time()):
                     await beat()
+            except RedisError:  # the tally is kept for the next; the renewal loop beats again
+                pass
+            except Exception:  # a bug in the figures must never stop the scoring (nor its stop)
+                log.exception("scoring tally failed; scoring goes on")
