@@ -1,4 +1,5 @@
-"""`rollq status`: versions, workers and queue depths of one policy or all, as rich tables."""
+"""`rollq status`: versions, workers, scorers and queue depths of one policy or all, as rich
+tables."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 
 import msgspec
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 from rich.console import Console
 from rich.table import Table
 
@@ -13,6 +15,7 @@ from rollq.queue.keys import EVERY_POLICY, Keys, policy_of
 from rollq.queue.names import Group
 from rollq.registry.versions import Registry
 from rollq.queue.workers import WorkerState, live_workers
+from rollq.scoring.records import ScorerState, live_scorers
 
 
 class TrainerQueue(msgspec.Struct):
@@ -26,18 +29,31 @@ class TrainerQueue(msgspec.Struct):
     outstanding: int
 
 
+class ScoringDepth(msgspec.Struct):
+    """A trainer's scoring stream: generated groups of its scored jobs."""
+
+    trainer: str
+    waiting: int
+    """Groups no scorer has read yet."""
+    running: int
+    """Groups a scorer holds."""
+
+
 class PolicyStatus(msgspec.Struct):
     policy: str
     latest: int | None
     versions: list[int]
     workers: list[WorkerState]
     queues: list[TrainerQueue]
+    scorers: list[ScorerState] = []
+    scoring: list[ScoringDepth] = []
 
 
 async def policies(redis: Redis) -> list[str]:
     """Policies with trainers, registered versions or workers."""
     found = set()
-    for pattern in (EVERY_POLICY.trainers, EVERY_POLICY.latest, EVERY_POLICY.workers):
+    for pattern in (EVERY_POLICY.trainers, EVERY_POLICY.latest, EVERY_POLICY.workers,
+                    EVERY_POLICY.scorers):
         async for key in redis.scan_iter(match=pattern, count=1000):
             found.add(policy_of(key.decode()))
     return sorted(found)
@@ -66,7 +82,23 @@ async def policy_status(redis: Redis, policy: str) -> PolicyStatus:
                                    int(await redis.get(keys.outstanding(trainer)) or 0)))
     return PolicyStatus(policy, await registry.latest(),
                         [e.version for e in await registry.entries()],
-                        await live_workers(redis, keys), queues)
+                        await live_workers(redis, keys), queues, await live_scorers(redis, keys),
+                        await _scoring(redis, keys))
+
+
+async def _scoring(redis: Redis, keys: Keys) -> list[ScoringDepth]:
+    out = []
+    for trainer in sorted(t.decode() for t in await redis.smembers(keys.scoring_trainers)):
+        stream = keys.scoring(trainer)
+        length, running = await redis.xlen(stream), 0
+        if length:
+            try:
+                running = (await redis.xpending(stream, Group.WORKERS))["pending"]
+            except ResponseError as e:  # no scorer has read the stream yet: none running
+                if "NOGROUP" not in str(e):
+                    raise
+        out.append(ScoringDepth(trainer, length - running, running))
+    return out
 
 
 def render(status: PolicyStatus, console: Console) -> None:
@@ -86,4 +118,24 @@ def render(status: PolicyStatus, console: Console) -> None:
         queues.add_column(col)
     for q in status.queues:
         queues.add_row(q.trainer, str(q.waiting), str(q.running), str(q.results), str(q.outstanding))
+    console.print(queues)
+    if status.scorers or status.scoring:
+        _render_scoring(status, console)
+
+
+def _render_scoring(status: PolicyStatus, console: Console) -> None:
+    scorers = Table(title="scorers", title_justify="left")
+    for col in ("scorer", "rewards (versions)", "held", "scored", "reward errors", "child restarts",
+                "last beat"):
+        scorers.add_column(col)
+    for s in status.scorers:
+        offered = ", ".join(f"{name} (v{version})" for name, version in sorted(s.rewards.items()))
+        scorers.add_row(s.scorer_id, offered or "-", str(s.inflight), str(s.scored), str(s.reward_errors),
+                        str(s.restarts), f"{time.time() - s.at:.0f} s ago")
+    console.print(scorers)
+    queues = Table(title="scoring queues", title_justify="left")
+    for col in ("trainer", "waiting", "scoring"):
+        queues.add_column(col)
+    for q in status.scoring:
+        queues.add_row(q.trainer, str(q.waiting), str(q.running))
     console.print(queues)

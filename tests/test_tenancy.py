@@ -155,8 +155,11 @@ async def test_results_nobody_reads_are_dropped_and_leave_the_base_trainers_quot
     assert int(await redis.get(keys.outstanding("a"))) == 4
     scripts = WorkQueue(redis, keys, "probe", job_ttl_s=600).scripts
     assert await expire_results(redis, scripts, keys, ttl_s=600) == 0  # within the retention: kept
+    written = {keys.results(_derived("a", "gone")).encode(): b"3", keys.results("a").encode(): b"1"}
+    assert await redis.hgetall(keys.results_written) == written  # (the gateway's live rates)
     dropped = await expire_results(redis, scripts, keys, ttl_s=0)
     assert dropped == 4  # a's own unread result too
+    assert not await redis.hgetall(keys.results_written)  # the streams' counts went with them
     assert not await redis.exists(keys.results(_derived("a", "gone")), keys.outstanding("a"),
                                   keys.outstanding(_derived("a", "gone")))
 

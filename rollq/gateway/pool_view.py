@@ -1,9 +1,14 @@
 """The whole pool as the gateway sees it, sampled every second from Redis.
 
-Workers put running totals into their heartbeats (`rollq.worker.stats.Totals`); the sampler
-adds up what each live worker did since the last look. That feeds the gateway's `/metrics`
-(monotonic counters, queue depths) and the dashboard (time series, staleness histogram,
-workers, recent failures) without scraping any worker.
+Rates come from counters Redis keeps as results are written (`results-written`: entries written
+per result and scoring stream, counted by `finish.lua`), read at each sample: a run at 56
+groups/s draws at 56 groups/s every second. (They came from the workers' heartbeat totals,
+which move every lease/3, 10 s by default: the same run drew as spikes of 300 and 600.)
+Workers also put running totals into their heartbeats (`rollq.worker.stats.Totals`); the sampler
+adds up what each live worker did since the last look, for the `/metrics` counters (tokens,
+swaps, staleness...), whose rates a scraper takes over minutes. Workers beat at once when their
+version or state changes (`Heartbeat.soon`), so the worker table shows a swap as it happens.
+Scoring: `gateway/scoring_view.py`. Nothing here scrapes a worker or scans a result stream.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from redis.exceptions import RedisError
 from rollq.protocol import DERIVED_SEPARATOR
 from rollq.queue.keys import Keys
 from rollq.queue.names import DeadField
+from rollq.gateway.scoring_view import ScoringView, metric_families
 from rollq.status import PolicyStatus, policies, policy_status
 from rollq.queue.workers import LAG_BUCKETS, Totals, WorkerState
 
@@ -38,7 +44,12 @@ class Point(msgspec.Struct, array_like=True):
     waiting: int
     running: int
     groups_per_s: float
+    """Results written to trainers' result streams per second (every status)."""
     tokens_per_s: float
+    """groups_per_s x the workers' completion tokens per ok group (their totals): an estimate,
+    no counter of tokens is kept in Redis."""
+    scoring_waiting: int = 0
+    scoring_running: int = 0
 
 
 @dataclass
@@ -52,22 +63,26 @@ class PolicyView:
     seen: dict[str, Totals] = field(default_factory=dict)
     dead: list[dict] = field(default_factory=list)
     at: float = 0.0
+    written: dict[str, int] = field(default_factory=dict)
+    """Stream -> entries written to it, as last read (`Keys.results_written`)."""
+    results: dict[str, int] = field(default_factory=dict)
+    """Trainer -> results written to its result stream (as kept: a stream dropped unread goes)."""
+    scoring: ScoringView = field(default_factory=ScoringView)
 
-    def update(self, status: PolicyStatus, dead: list[dict], now: float) -> None:
-        """Add what each live worker did since the last sample; a worker seen for the first time
-        adds its totals to the counters but not to the rates (it did that work before)."""
-        groups_delta = tokens_delta = 0
+    def update(self, status: PolicyStatus, dead: list[dict], written: dict[str, int], now: float,
+               keys: Keys) -> None:
+        """Add what each live worker did since the last sample (a worker seen for the first time
+        adds its totals to the counters: it did that work before); the rates are the results
+        written since the last sample."""
+        groups_delta = self._written(written, keys)
+        groups_delta = groups_delta if self.at else 0  # the first sample only sets where to count from
         for w in status.workers:
             cur, prev = w.totals, self.seen.get(w.worker_id)
             base = prev or Totals()
             for name, count in cur.groups.items():
                 self.groups[name] += max(0, count - base.groups.get(name, 0))
-                if prev is not None:
-                    groups_delta += max(0, count - base.groups.get(name, 0))
             for name in _COUNTERS:
                 self.counters[name] += max(0, getattr(cur, name) - getattr(base, name))
-            if prev is not None:
-                tokens_delta += max(0, cur.tokens - base.tokens)
             for lag, count in cur.lag.items():
                 self.lag[lag] += max(0, count - base.lag.get(lag, 0))
             self.swap_s += max(0.0, cur.swap_s - base.swap_s)
@@ -75,10 +90,27 @@ class PolicyView:
         live = {w.worker_id for w in status.workers}
         self.seen = {k: v for k, v in self.seen.items() if k in live}
         dt = now - self.at if self.at else 0.0
+        groups_per_s = groups_delta / dt if dt else 0.0
+        per_group = self.counters["tokens"] / self.groups["ok"] if self.groups["ok"] else 0.0
         self.series.append(Point(now, sum(q.waiting for q in status.queues),
-                                 sum(q.running for q in status.queues),
-                                 groups_delta / dt if dt else 0.0, tokens_delta / dt if dt else 0.0))
+                                 sum(q.running for q in status.queues), groups_per_s,
+                                 groups_per_s * per_group, sum(q.waiting for q in status.scoring),
+                                 sum(q.running for q in status.scoring)))
         self.status, self.dead, self.at = status, dead, now
+
+    def _written(self, written: dict[str, int], keys: Keys) -> int:
+        """Results written to result streams since the last sample. A stream not seen before
+        was written since (its count is new); one whose count went down was deleted and written
+        again."""
+        delta, results = 0, {}
+        prefix = keys.results("")
+        for stream, count in written.items():
+            if stream.startswith(prefix):
+                prev = self.written.get(stream, 0)
+                delta += count - prev if count >= prev else count
+                results[keys.trainer_of_results(stream)] = count
+        self.written, self.results = written, results
+        return delta
 
     def failures(self) -> list[dict]:
         """Newest first: dead letters and failed/expired groups reported by live workers."""
@@ -114,8 +146,12 @@ class PoolSampler:
         now = time.time()
         for name in names:
             status = await policy_status(self.redis, name)
+            keys = Keys(name)
             view = self.views.setdefault(name, PolicyView())
-            view.update(status, await self._dead_letters(name), now)
+            counts = await self.redis.hgetall(keys.results_written)
+            written = {k.decode(): int(v) for k, v in counts.items()}
+            view.update(status, await self._dead_letters(name), written, now, keys)
+            await view.scoring.sample(self.redis, keys, now)
 
     async def _dead_letters(self, policy: str) -> list[dict]:
         out = []
@@ -139,7 +175,14 @@ class PoolSampler:
             ("workers", "Live workers by state.", ["policy", "state"]),
             ("worker_version", "Policy version each live worker serves.", ["policy", "worker"]),
             ("latest_version", "Newest registered policy version.", ["policy"]),
+            ("scoring_waiting", "Generated groups of scored jobs no scorer has read yet.",
+             ["policy", "trainer"]),
+            ("scoring_running", "Groups a scorer holds.", ["policy", "trainer"]),
+            ("scorers", "Live scorers.", ["policy"]),
+            ("results_written", "Results written to the trainer's result stream (as long as it is kept).",
+             ["policy", "trainer"]),
         )}
+        scoring = metric_families()
         groups = CounterMetricFamily("rollq_groups", "Terminal group results, by status.",
                                      labels=["policy", "status"])
         counters = {name: CounterMetricFamily(f"rollq_{name}", f"Pool total of {name.replace('_', ' ')}.",
@@ -161,6 +204,13 @@ class PoolSampler:
                 g["worker_version"].add_metric([policy, w.worker_id], w.version)
             if s.latest is not None:
                 g["latest_version"].add_metric([policy], s.latest)
+            for q in s.scoring:
+                g["scoring_waiting"].add_metric([policy, q.trainer], q.waiting)
+                g["scoring_running"].add_metric([policy, q.trainer], q.running)
+            g["scorers"].add_metric([policy], len(s.scorers))
+            for trainer, count in view.results.items():
+                g["results_written"].add_metric([policy, trainer], count)
+            view.scoring.families(policy, scoring)
             for status, count in view.groups.items():
                 groups.add_metric([policy, status], count)
             for name in _COUNTERS:
@@ -172,6 +222,7 @@ class PoolSampler:
         yield from counters.values()
         yield swap_s
         yield lag
+        yield from scoring.values()
 
     # --- Dashboard -----------------------------------------------------------------------------
 
@@ -187,12 +238,18 @@ class PoolSampler:
                 series=dict(t=[p.t for p in points], waiting=[p.waiting for p in points],
                             running=[p.running for p in points],
                             groups_per_s=[round(p.groups_per_s, 3) for p in points],
-                            tokens_per_s=[round(p.tokens_per_s, 1) for p in points]),
+                            tokens_per_s=[round(p.tokens_per_s, 1) for p in points],
+                            scoring_waiting=[p.scoring_waiting for p in points],
+                            scoring_running=[p.scoring_running for p in points]),
                 workers=[dict(id=w.worker_id, version=w.version, state=w.state, inflight=w.inflight,
                               pinned=w.pinned, last_error=w.last_error, age_s=round(time.time() - w.at, 1))
                          for w in s.workers],
                 queues=[msgspec.structs.asdict(q) for q in s.queues],
-                groups=dict(view.groups), tokens=view.counters["tokens"],
+                groups=dict(view.groups), tokens=view.counters["tokens"], results=view.results,
+                scorers=[dict(id=c.scorer_id, rewards=c.rewards, inflight=c.inflight, scored=c.scored,
+                              reward_errors=c.reward_errors, restarts=c.restarts,
+                              age_s=round(time.time() - c.at, 1)) for c in s.scorers],
+                scoring=view.scoring.dashboard(),
                 lag={str(k): v for k, v in sorted(view.lag.items())},
                 failures=view.failures())
         return out
@@ -215,7 +272,9 @@ def unobserved(status: PolicyStatus, trainer: str) -> PolicyStatus:
     mine = [q for q in status.queues
             if q.trainer == trainer or q.trainer.startswith(trainer + DERIVED_SEPARATOR)]
     return PolicyStatus(status.policy, status.latest, status.versions,
-                        [unobserved_worker(w) for w in status.workers], mine)
+                        [unobserved_worker(w) for w in status.workers], mine, status.scorers,
+                        [q for q in status.scoring
+                         if q.trainer == trainer or q.trainer.startswith(trainer + DERIVED_SEPARATOR)])
 
 
 def unobserved_worker(w: WorkerState) -> WorkerState:

@@ -67,6 +67,13 @@ class Keys:
         nobody read for `job_ttl_s` after the last one are dropped (`results_expire.lua`)."""
         return f"{self._p}:result-streams"
 
+    @property
+    def results_written(self) -> str:
+        """Hash stream -> entries ever written to it by `finish.lua` (a result stream's results, a
+        scoring stream's generated groups): the counters the gateway reads each second for live
+        rates (`gateway/pool_view.py`). A field goes with its stream's entry in `result_streams`."""
+        return f"{self._p}:results-written"
+
     def trainer_of_results(self, result_stream: str) -> str:
         return self._after("res", result_stream, "a result stream")
 
@@ -156,6 +163,13 @@ class Keys:
     def scorer(self, scorer_id: str) -> str:
         """A scorer's last heartbeat (the rewards it offers); expires when it stops beating."""
         return f"{self._p}:scorer:{scorer_id}"
+
+    @property
+    def score_tallies(self) -> str:
+        """Stream (capped) of the scorers' tallies, one entry per scorer per second it scored
+        anything: rewards per trainer and job, statuses, scoring time (`scoring/records.py`
+        `Tally`); the gateway reads what is new each second (`gateway/scoring_view.py`)."""
+        return f"{self._p}:score-tallies"
 
     def image(self, trainer: str, digest: str) -> str:
         """String: one image's encoded bytes, stored once per trainer and content (BLAKE3 hex

@@ -59,6 +59,13 @@ class EventField(StrEnum):
     VERSION = "v"
 
 
+class TallyField(StrEnum):
+    """Fields of a scorer's tally (the score-tallies stream)."""
+
+    TALLY = "d"
+    """The encoded `scoring.records.Tally`."""
+
+
 class JobState(StrEnum):
     """The `state` field of a job record."""
 

@@ -58,6 +58,8 @@ async def expire_results(redis: Redis, scripts: Scripts, keys: Keys, ttl_s: int,
         n = await scripts.results_expire(
             keys=[k.result_streams, stream, k.outstanding(trainer), k.outstanding(base_trainer(trainer))],
             args=[stream, cutoff], client=redis)
+        if n >= 0:  # deleted: its count of results written goes too (a new stream counts anew)
+            await redis.hdel(k.results_written, stream)
         if n > 0:
             log.warning("dropped %d results of trainer %r that nobody read for %d s", n, trainer, ttl_s)
             dropped += n

@@ -85,11 +85,12 @@ def _lua_string(data: bytes) -> msgspec.Raw:
     return msgspec.Raw(head + data)
 
 
-def _finish_batch(errors: str, dead: str, written: str, batch: list) -> tuple[list[str], bytes]:
+def _finish_batch(errors: str, dead: str, streams: str, written: str,
+                  batch: list) -> tuple[list[str], bytes]:
     """`finish.lua`'s keys and its one msgpack argument for a batch of (keys, args, ...): each key
     declared once (a cluster routes the call by them; they share the policy's slot), each entry
     naming its keys by their index in KEYS."""
-    keys, index, entries = [errors, dead, written], {}, []
+    keys, index, entries = [errors, dead, streams, written], {}, []
     for entry_keys, entry_args, *_ in batch:
         refs = []
         for key in entry_keys:
@@ -471,7 +472,7 @@ class WorkQueue:
         while self._finishing:
             batch, self._finishing = self._finishing[:FINISH_BATCH], self._finishing[FINISH_BATCH:]
             keys, entries = _finish_batch(self.keys.errors, self.keys.dead, self.keys.result_streams,
-                                          batch)
+                                          self.keys.results_written, batch)
             args = [self.consumer, self.job_ttl_s, entries]
             try:
                 # One WAIT covers the whole batch.

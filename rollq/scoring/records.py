@@ -1,9 +1,15 @@
 """The pool's record of its scorers in Redis, as `queue/workers.py` keeps the workers': one
 short-lived heartbeat key per scorer (the rewards it offers, with their versions), listed in a
-sorted set by last beat. The client reads it to refuse a reward nobody offers."""
+sorted set by last beat. The client reads it to refuse a reward nobody offers.
+
+And what they scored: each scorer adds a `Tally` of its last second (rewards per trainer and
+job, statuses written, scoring time) to a capped stream, which the gateway reads as it comes
+(`gateway/scoring_view.py`): live figures without scanning result streams or waiting for a
+heartbeat."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import msgspec
@@ -11,6 +17,13 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rollq.queue.keys import Keys
+from rollq.queue.names import TallyField
+
+REWARD_S_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+"""Buckets of a group's scoring time (`reward_s`: every sample's reward, wall time)."""
+TALLIES_KEPT = 10_000
+"""Tallies the stream keeps (about): a few hours of one busy scorer, what a gateway started
+later reads back."""
 
 
 class ScorerState(msgspec.Struct, frozen=True):
@@ -25,6 +38,55 @@ class ScorerState(msgspec.Struct, frozen=True):
     """Samples left without a reward (raised, timed out, out of memory)."""
     restarts: int = 0
     """Reward child processes killed (timeouts) or found dead, and replaced."""
+
+
+class JobTally(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one scorer did for one job in one tally period. Rewards are those of every group it
+    scored and wrote or queued again (`resampled`): delivered, filtered and regenerated alike,
+    so the mean is the policy's, not the delivered groups' only."""
+
+    trainer: str
+    job_id: str
+    written: dict[str, int] = {}
+    """Results written, by status (`ok`, `filtered`, `failed`, `cancelled`)."""
+    resampled: int = 0
+    """Groups whose rewards were all equal, queued to be generated again (dynamic sampling)."""
+    rewards: int = 0
+    """Samples given a reward."""
+    total: float = 0.0
+    squares: float = 0.0
+    """Sums of those rewards and of their squares (mean and spread, added over periods)."""
+    missing: int = 0
+    """Samples left without one (the reward raised, timed out or ran out of memory)."""
+    scored: int = 0
+    """Groups whose rewards were computed, and their scoring time in all."""
+    reward_s: float = 0.0
+
+
+class Tally(msgspec.Struct, array_like=True):
+    scorer_id: str
+    at: float
+    jobs: list[JobTally]
+    reward_s: list[int]
+    """Groups by scoring time: a count per `REWARD_S_BUCKETS` bound, then one above them all."""
+
+
+async def add_tally(redis: Redis, keys: Keys, tally: Tally) -> None:
+    await redis.xadd(keys.score_tallies, {TallyField.TALLY: msgspec.msgpack.encode(tally)},
+                     maxlen=TALLIES_KEPT, approximate=True)
+
+
+async def read_tallies(redis: Redis, keys: Keys, after: str, count: int = 1000) -> tuple[str, list[Tally]]:
+    """Tallies added after stream id `after` ('0': from the oldest kept), oldest first, and the id
+    to read after next time. One that does not decode is skipped (a newer scorer's, say: metrics
+    must not stop the gateway)."""
+    tallies = []
+    for entry_id, fields in await redis.xrange(keys.score_tallies, "-" if after == "0" else f"({after}",
+                                               "+", count=count):
+        after = entry_id.decode()
+        with contextlib.suppress(KeyError, msgspec.DecodeError, msgspec.ValidationError):
+            tallies.append(msgspec.msgpack.decode(fields[TallyField.TALLY.encode()], type=Tally))
+    return after, tallies
 
 
 async def live_scorers(redis: Redis, keys: Keys) -> list[ScorerState]:

@@ -31,6 +31,7 @@ from rollq.scoring import records
 from rollq.scoring.pool import ChildPool, RewardError
 from rollq.scoring.queue import ScoringQueue
 from rollq.scoring.rewards import Completion, Reward, as_reward
+from rollq.scoring.stats import ScoringStats
 
 log = logging.getLogger("rollq.scorer")
 
@@ -57,6 +58,7 @@ class Scorer:
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self.scored = self.reward_errors = 0
+        self.stats = ScoringStats(scorer_id)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -68,6 +70,8 @@ class Scorer:
                  ", ".join(f"{n} (v{r.spec.version})" for n, r in sorted(self.rewards.items())))
         feed = asyncio.create_task(self._feed_loop(), name="scorer-feed")
         renew = asyncio.create_task(self._renew_loop(), name="scorer-renew")
+        tallying = asyncio.create_task(self.stats.run(self.redis, self.keys, self._beat),
+                                       name="scorer-tally")
         stopping = asyncio.create_task(self._stopping.wait())
         try:
             # A loop that ends (it raised: a bug) ends the scorer, whose groups are handed back.
@@ -81,8 +85,12 @@ class Scorer:
                 await feed
             await self._drain()
             renew.cancel()
+            tallying.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renew
+            with contextlib.suppress(asyncio.CancelledError):
+                await tallying
+            await self.stats.add(self.redis, self.keys, time.time())
             await records.remove(self.redis, self.keys, self.scorer_id)
             await self.pool.close()
 
@@ -203,7 +211,7 @@ class Scorer:
         if spec.resample is None or scored.status != "ok" or not _uniform(scored.rewards):
             return await self._picked(c, spec, scored), ""
         if spec.attempt < spec.resample:
-            await self._requeue(c, spec, item)
+            await self._requeue(c, spec, item, scored)
             return None
         # Convert a uniform group --> `filtered`: a terminal result without its samples (its
         # advantages would all be 0), counted on the job.
@@ -218,11 +226,14 @@ class Scorer:
         return msgspec.structs.replace(scored, status="cancelled", samples=[],
                                        reason=f"over-sampled: the job delivered its {spec.deliver} groups")
 
-    async def _requeue(self, c: Claimed, spec: ScoreSpec, item: bytes) -> None:
+    async def _requeue(self, c: Claimed, spec: ScoreSpec, item: bytes, scored: GroupResult) -> None:
         """The group, generated again (its item's `attempt` counts it), in place of its result."""
         work = decode_item(item)  # bytes a worker read and checked; checked again before queuing
         again = msgspec.structs.replace(work, score=msgspec.structs.replace(spec, attempt=spec.attempt + 1))
-        if await self.queue.requeue(c, encode(again)) is Reply.LOST and not c.taken_over:
+        reply = await self.queue.requeue(c, encode(again))
+        if reply is Reply.OK:
+            self.stats.resampled(self.keys.trainer_of_scoring(c.stream), scored)
+        elif reply is Reply.LOST and not c.taken_over:
             log.warning("lease of group %s/%s was taken over; not queued again", c.job_id, c.group_index)
 
     async def _scored(self, spec: ScoreSpec, result: GroupResult, found: Reward) -> GroupResult:
@@ -272,6 +283,7 @@ class Scorer:
                 await backoff.sleep()
         if reply is Reply.OK:
             self.scored += 1
+            self.stats.written(self.keys.trainer_of_scoring(c.stream), result)
         elif reply is Reply.LOST and not c.taken_over:
             log.warning("lease of group %s/%s was taken over; its score is dropped", c.job_id, c.group_index)
         elif reply is Reply.DUP:

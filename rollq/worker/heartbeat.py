@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable
 
@@ -26,10 +27,28 @@ class Heartbeat:
         self.adapters: Iterable[int] = ()
         """Adapter versions loaded in the engine (the version follower's `ResidentAdapters.loaded`)."""
         self._pinned_to: int | None = None
+        self.changed = asyncio.Event()
+        """Set by `soon()`: the worker beats at once (`Worker._beat_on_change`), not at its next
+        renewal (lease/3, 10 s by default), so readers see a swap as it happens."""
+        self._writing = asyncio.Lock()
+        """One beat at a time, in the order they were asked for: a beat of older values must not
+        land after a newer one."""
+
+    def soon(self) -> None:
+        """The version or state changed: beat now."""
+        self.changed.set()
 
     async def beat(self, *, version: int, inflight: int, state: str, last_error: str = "",
                    pinned: bool = False, totals: Totals | None = None,
                    capacity: int | None = None, max_model_len: int | None = None) -> None:
+        async with self._writing:
+            await self._write(version=version, inflight=inflight, state=state, last_error=last_error,
+                              pinned=pinned, totals=totals, capacity=capacity,
+                              max_model_len=max_model_len)
+
+    async def _write(self, *, version: int, inflight: int, state: str, last_error: str,
+                     pinned: bool, totals: Totals | None, capacity: int | None,
+                     max_model_len: int | None) -> None:
         now = time.time()
         beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned,
                            totals or Totals(), self.target, sorted(self.adapters), capacity,

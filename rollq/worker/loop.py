@@ -128,6 +128,7 @@ class Worker:
         log.info("worker %s serving policy %r with version %d%s", self.worker_id,
                  self.queue.keys.policy, self.engine.version, " (pinned)" if self.limits.pinned else "")
         renewing = asyncio.create_task(self._renew_loop(), name="renew")
+        beating = asyncio.create_task(self._beat_on_change(), name="beat-on-change")
         following = [asyncio.create_task(follower.run(), name="follow-versions")] if follower else []
         try:
             with contextlib.suppress(RedisError):  # Redis may be down: the renew loop beats again
@@ -140,7 +141,7 @@ class Worker:
             await self._release_held()
             if following:  # it ends by itself within poll_s (see VersionFollower.run)
                 await asyncio.wait(following, timeout=self.limits.poll_s + 2)
-            background = [renewing, *following]
+            background = [renewing, beating, *following]
             for task in background:
                 task.cancel()
             # Bounded: a worker asked to stop must exit even if a library swallows a cancel.
@@ -345,6 +346,16 @@ class Worker:
                 await self._beat()
             except RedisError as e:
                 log.warning("lease renewal failed (%s); fencing protects the results", e)
+
+    async def _beat_on_change(self) -> None:
+        changed = self.heartbeat.changed
+        while True:
+            await changed.wait()
+            changed.clear()
+            try:
+                await self._beat()
+            except RedisError as e:  # the renewal loop beats again
+                log.warning("heartbeat failed (%s)", e)
 
     async def _beat(self) -> None:
         self.stats.inflight.set(len(self._held))

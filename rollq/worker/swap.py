@@ -179,6 +179,7 @@ class VersionFollower:
         version, began, versions, mode, engine = entry.version, time.monotonic(), self.versions, \
             self.mode, self.engine
         versions.moving("draining")
+        self.heartbeat.soon()
         adapters = versions.adapters
         crosses = crossing(mode, engine)
         # Groups that may not cross this swap finish first: the job declines the mode, the new
@@ -199,6 +200,7 @@ class VersionFollower:
         finally:
             versions.moving("serving")
             self.admission.reopen()
+            self.heartbeat.soon()  # the version served (new or old), at once: not in 10 s
         log.info("now serving version %d (%s swap, %.2f s: %s)", version, mode, time.monotonic() - began,
                  ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
         self.stats.swap(True, time.monotonic() - began, phases)

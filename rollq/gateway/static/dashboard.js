@@ -7,20 +7,74 @@ const text = (s) => String(s).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&l
 function chart(id, series, data, opts = {}) {
   const el = document.getElementById(id);
   const width = Math.max(360, el.clientWidth || 480);
+  // A chart whose series changed (a trainer began scoring) is drawn anew.
+  const shape = series.map((x) => x.label).join("\u0000");
+  if (charts[id] && charts[id].shape !== shape) { charts[id].destroy(); delete charts[id]; }
   if (!charts[id]) {
     charts[id] = new uPlot({width, height: 220, series: [{}, ...series], ...opts}, data, el);
+    charts[id].shape = shape;
   } else {
     charts[id].setData(data);
   }
 }
 
+const COLORS = ["#1c7ed6", "#e8590c", "#2f9e44", "#ae3ec9", "#c2255c", "#0c8599"];
+const fmt = (v, digits = 3) => (v === null || v === undefined ? "–" : Number(v).toFixed(digits));
+
+function scoring(p) {
+  const sc = p.scoring, s = sc.series;
+  const on = p.scorers.length > 0 || s.t.length > 0;
+  document.querySelectorAll(".scoring").forEach((el) => { el.hidden = !on; });
+  if (!on) return;
+  // Per trainer: its mean reward each second, and a band of one standard deviation around it.
+  const names = Object.keys(s.rewards).slice(0, COLORS.length);
+  const series = [], data = [s.t], bands = [];
+  names.forEach((name, i) => {
+    const r = s.rewards[name], color = COLORS[i];
+    const hi = r.mean.map((m, k) => (m === null ? null : m + r.std[k]));
+    const lo = r.mean.map((m, k) => (m === null ? null : m - r.std[k]));
+    const at = series.length + 1;
+    series.push({label: name + " mean", stroke: color, width: 2, spanGaps: false},
+                {label: name + " +std", stroke: color + "55", width: 1, dash: [4, 4]},
+                {label: name + " -std", stroke: color + "55", width: 1, dash: [4, 4]});
+    data.push(r.mean, hi, lo);
+    bands.push({series: [at + 1, at + 2], fill: color + "22"});
+  });
+  chart("rewards", series, data, {bands});
+  chart("scoring-rate", [{label: "groups scored/s", stroke: "#1c7ed6", width: 2},
+                         {label: "ms per group", stroke: "#e8590c", width: 2, dash: [6, 4], scale: "ms"}],
+        [s.t, s.scored_per_s, s.reward_ms],
+        {axes: [{}, {label: "groups/s"}, {side: 1, scale: "ms", label: "ms per group", grid: {show: false}}]});
+  const sr = p.scorers.map((x) => `<tr><td>${text(x.id)}</td>
+    <td>${text(Object.entries(x.rewards).map(([n, v]) => n + " v" + v).join(", "))}</td>
+    <td>${x.inflight}</td><td>${x.scored}</td><td>${x.reward_errors}</td><td>${x.restarts}</td>
+    <td>${x.age_s} s</td></tr>`);
+  document.getElementById("scorers").innerHTML =
+    "<tr><th>scorer</th><th>rewards</th><th>held</th><th>scored</th><th>reward errors</th><th>child restarts</th><th>last beat</th></tr>" +
+    (sr.join("") || '<tr><td class="empty" colspan="7">no live scorers</td></tr>');
+  const jr = sc.jobs.map((j) => {
+    const r = j.record || {};
+    return `<tr><td>${text(j.trainer)}</td><td>${text(j.job_id)}</td><td>${r.done ?? "–"}/${r.groups ?? "–"}</td>
+      <td>${fmt(j.mean)} ± ${fmt(j.std)}</td><td>${j.rewards}</td><td>${j.missing}</td>
+      <td>${r.ok ?? "–"}</td><td>${r.filtered ?? "–"}</td><td>${r.resampled ?? "–"}</td><td>${r.cancelled ?? "–"}</td>
+      <td>${fmt(j.reward_ms, 1)}</td></tr>`;
+  });
+  document.getElementById("scored-jobs").innerHTML =
+    "<tr><th>trainer</th><th>job</th><th>done</th><th>reward mean ± std</th><th>rewards</th><th>missing</th>" +
+    "<th>ok</th><th>filtered</th><th>resampled</th><th>cancelled</th><th>ms per group</th></tr>" +
+    (jr.join("") || '<tr><td class="empty" colspan="11">none yet</td></tr>');
+}
+
 function tiles(p) {
   const s = p.series, last = (a) => (a.length ? a[a.length - 1] : 0);
-  const done = Object.values(p.groups).reduce((a, b) => a + b, 0);
-  const items = [["newest version", p.latest ?? "–"], ["groups done", done], ["ok", p.groups.ok || 0],
+  const done = Object.values(p.results).reduce((a, b) => a + b, 0);
+  const items = [["newest version", p.latest ?? "–"], ["groups done", done], ["generated ok", p.groups.ok || 0],
                  ["failed", (p.groups.failed || 0) + (p.groups.expired || 0)],
                  ["groups/s", last(s.groups_per_s).toFixed(2)], ["tokens/s", last(s.tokens_per_s).toFixed(0)],
                  ["waiting", last(s.waiting)], ["running", last(s.running)], ["workers", p.workers.length]];
+  if (p.scorers.length || last(s.scoring_waiting) || last(s.scoring_running)) {
+    items.push(["to score", last(s.scoring_waiting) + last(s.scoring_running)], ["scorers", p.scorers.length]);
+  }
   document.getElementById("tiles").innerHTML = items.map(
     ([k, v]) => `<div class="tile" data-name="${text(k)}"><b>${text(v)}</b>${text(k)}</div>`).join("");
 }
@@ -45,7 +99,10 @@ function draw(p) {
         [s.t, s.groups_per_s, s.tokens_per_s],
         {axes: [{}, {label: "groups/s"}, {side: 1, scale: "tok", label: "tokens/s", grid: {show: false}}]});
   chart("depth", [{label: "waiting", stroke: "#f08c00", fill: "#f08c0022", width: 2},
-                  {label: "running", stroke: "#7048e8", width: 2}], [s.t, s.waiting, s.running]);
+                  {label: "running", stroke: "#7048e8", width: 2},
+                  {label: "to score", stroke: "#0c8599", width: 2, dash: [6, 4]},
+                  {label: "scoring", stroke: "#ae3ec9", width: 2, dash: [2, 3]}],
+        [s.t, s.waiting, s.running, s.scoring_waiting, s.scoring_running]);
   // Every lag from 0 to the largest seen (at least 4), so the bars read as a histogram.
   const top = Math.max(4, ...Object.keys(p.lag).map(Number));
   const xs = Array.from({length: top + 1}, (_, k) => k);
@@ -56,6 +113,7 @@ function draw(p) {
                 {label: "samples"}]});
   tiles(p);
   tables(p);
+  scoring(p);
 }
 
 async function refresh() {

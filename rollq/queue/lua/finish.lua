@@ -1,7 +1,8 @@
 -- Write the one terminal result of each of a batch of work entries, each only if the caller still
 -- owns it (fencing per entry: one entry lost or already done changes nothing for the others).
 -- KEYS: errors hash, dead-letter stream, result-streams sorted set (when each result stream was
---       last written: their retention), then every other key the batch touches, each once (work
+--       last written: their retention), results-written hash (entries written per stream: the
+--       gateway's live rates), then every other key the batch touches, each once (work
 --       streams, result streams, jobs, done hashes, outstanding-bytes counters)
 -- ARGV: consumer, job ttl (s), the entries as one msgpack array (Redis' cmsgpack unpacks it: one
 --       argument for the batch, where 12 per entry cost the worker more than the rest of a
@@ -199,12 +200,15 @@ for i, e in ipairs(entries) do
   if reply == false then
     local ok, err = pcall(redis.call, 'XADD', KEYS[e[2]], '*', RESULT_RESULT, e[9])
     reply = ok and REPLY_OK or as_reply(ok, err)
-    written[e[2]] = ok or nil
+    if ok then
+      written[e[2]] = (written[e[2]] or 0) + 1
+    end
   end
   replies[i] = reply
 end
 local now = redis.call('TIME')[1]
-for k in pairs(written) do
+for k, n in pairs(written) do
   redis.call('ZADD', KEYS[3], now, KEYS[k])
+  redis.call('HINCRBY', KEYS[4], KEYS[k], n)
 end
 return replies
