@@ -214,7 +214,8 @@ async def train(client: RolloutClient, trainer: GRPOTrainer, *, steps: int, grou
         else:
             rewards = None  # `update` computes them: a few microseconds
         trained = time.monotonic()
-        rewarded = trained - rewarded
+        # Read off the results when scored: the scorer computed them, the trainer spent nothing.
+        rewarded = 0.0 if scored is not None else trained - rewarded
         mean_reward = await asyncio.to_thread(trainer.update, batch, rewards)
         trained = time.monotonic() - trained
         await client.ack(batch)  # after the step that used them: a crash before it loses nothing
