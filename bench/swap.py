@@ -31,7 +31,10 @@ generating` (end to end less the probe's generation time as the worker measured 
 The raw read is the same files read once, sequentially, just before each publish: warm (from
 the page cache, as the swap finds them) and cold (page cache dropped first: storage bandwidth;
 needs root). Reported: end to end, each phase, and the effective bandwidth (checkpoint bytes /
-end to end) as a fraction of each raw read's.
+end to end) as a fraction of each raw read's; and the **engine floor**, per publish: its cold
+read plus the worker's `load` phase of the same swap (vLLM's `reload_weights` of the snapshot,
+its probe token), what any swap through vLLM pays at least, with publish -> serving / floor
+(median of the per-publish ratios; target <= 1.3).
 
     python bench/swap.py [--repeats 3] [--adapter-repeats 9] [--only full|adapter]
     # table + bench/results/swap.json
@@ -125,12 +128,21 @@ async def swap_once(client: RolloutClient, version: int, source: Path, mode: str
     phases |= await last_swap(client, version)
     print(f"version {version} ({mode}): {total_s:.2f} s end to end, raw read "
           f"{raw_warm:.3f} s warm, {raw_cold or float('nan'):.3f} s cold; "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), flush=True)
+          + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+          + f" (load average {os.getloadavg()[0]:.1f})", flush=True)
     return {"total_s": total_s, "raw_warm_s": raw_warm, "raw_cold_s": raw_cold, "phases": phases}
+
+
+def floor(run: dict) -> float | None:
+    """The engine floor of one publish: its cold read + vLLM's load of the same bytes."""
+    if run["raw_cold_s"] is None:
+        return None
+    return run["raw_cold_s"] + run["phases"]["load"]
 
 
 def summary(runs: list[dict], size: int) -> dict:
     total = statistics.median(r["total_s"] for r in runs)
+    floors = [(r["total_s"], floor(r)) for r in runs if floor(r) is not None]
     warm = statistics.median(r["raw_warm_s"] for r in runs)
     colds = [r["raw_cold_s"] for r in runs if r["raw_cold_s"] is not None]
     cold = statistics.median(colds) if colds else None
@@ -139,7 +151,10 @@ def summary(runs: list[dict], size: int) -> dict:
             "stall_first_s": stalls[0] if stalls else None,
             "phases_s": {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]},
             "raw_warm_s": warm, "raw_cold_s": cold, "ratio_vs_warm": warm / total,
-            "ratio_vs_cold": cold / total if cold else None, "runs": runs}
+            "ratio_vs_cold": cold / total if cold else None,
+            "floor_s": statistics.median(f for _, f in floors) if floors else None,
+            "ratio_vs_floor": statistics.median(t / f for t, f in floors) if floors else None,
+            "runs": runs}
 
 
 def start_worker(redis_url: str, policy: str, model: Path, *flags: str) -> subprocess.Popen:
@@ -264,6 +279,9 @@ def report(r: dict) -> None:
         cold = f"{m['raw_cold_s']:.3f} s" if m["raw_cold_s"] else "n/a"
         print(f"{mode}: publish -> serving {m['total_s']:.2f} s ({m['gb_per_s']:.2f} GB/s); raw read "
               f"{m['raw_warm_s']:.3f} s warm, {cold} cold")
+        if m.get("ratio_vs_floor"):
+            print(f"  engine floor (cold read + load) {m['floor_s']:.2f} s; publish -> serving / floor "
+                  f"{m['ratio_vs_floor']:.2f} (target <= 1.3)")
         print("  " + ", ".join(f"{k} {v:.2f} s" for k, v in m["phases_s"].items()))
     a = r["adapter"]
     if a:

@@ -141,6 +141,11 @@ def _swap(r: dict) -> list[str]:
         best = max(m["ratio_vs_warm"], m["ratio_vs_cold"] or 0)
         rows.append(f"- {mode}: swap / raw read bandwidth **{m['ratio_vs_warm']:.3f}** (page cache), "
                     f"**{cold}** (cold) (target >= 0.5: {_met(best >= 0.5)}).")
+        if m.get("ratio_vs_floor"):
+            ratio = m["ratio_vs_floor"]
+            rows.append(f"- {mode}: publish -> serving / engine floor (cold read + the worker's "
+                        f"load, per publish; floor {m['floor_s']:.2f} s) **{ratio:.2f}** "
+                        f"(target <= 1.3: {_met(ratio <= 1.3)}).")
         if "trainer stall" in m["phases_s"]:
             stall = m["phases_s"]["trainer stall"]
             first = m.get("stall_first_s")
