@@ -8,19 +8,25 @@ weight store on local disk (the default), then registered in place (`copy=False`
 after each publish submits a one-token probe group with `min_version` = the new version: its
 result marks the moment the worker serves it. Phases:
 
-- store: `publish_weights` copying the files into the store, fsyncing and hashing them (trainer);
-  by reference: hashing them in place; `state_dict, wait=False`: writing the trainer's tensors
-  (held in memory) into the store in the background, after `trainer stall`, the time the call
-  held the trainer (copying its tensors into the client's staging buffer; the first publish of
-  a client also allocates that buffer, reported apart).
+- store: `publish_weights` copying the files into the store, hashing them, registering them,
+  then fsyncing them (trainer: the version is registered, and workers start on it, before the
+  fsyncs, which run beside the worker's verify); by reference: hashing them in place;
+  `state_dict, wait=False`: writing the trainer's tensors (held in memory) into the store in
+  the background, after `trainer stall`, the time the call held the trainer (copying its
+  tensors into the client's staging buffer; the first publish of a client also allocates that
+  buffer, reported apart). Every publish is made with `wait=False` and the probe submitted at
+  once (`min_version` waits for the version), so publish -> serving is when a group could first
+  be served on it, not when the call returned (since issue 32; before, the probe followed the
+  call's return, fsyncs and retention included).
 - verify: the worker re-reading and hashing the files, checking headers and shapes.
 - drain, pause, load, resume: the worker's swap (`rollq_worker_swap_phase_seconds`).
 
 Adapter versions: a second worker (`--enable-lora --max-lora-rank 16`, its own policy) serves
 the same checkpoint as version 0, and this process publishes rank-16 LoRA adapters of it (PEFT
 models, q/k/v/o projections, as a trainer holds them) as versions 1, 2, ... with
-`adapter_on=0`, each followed by the same probe group: publish -> serving is the adapter's store
-(its two files, fsynced and hashed), the worker's copy, checks and `add_lora`, and the probe's
+`adapter_on=0`, each with the same probe group submitted at once: publish -> serving is the PEFT
+state dict, the adapter's store up to its registration (its two files written while hashed; the
+fsyncs follow, beside the worker), the worker's copy, checks and `add_lora`, and the probe's
 one token under the adapter. No swap: the full weights never change. That token is a CPU
 forward pass of the whole model with LoRA (~50-110 ms here), so each publish's probe is followed
 by the same probe on the adapter, now resident: `publish -> servable` (raw publish -> first
@@ -110,19 +116,22 @@ async def swap_once(client: RolloutClient, version: int, source: Path, mode: str
     raw_cold = raw_read(files, cold=True)  # first: it leaves the files in the page cache
     raw_warm = raw_read(files)
     phases = {}
+    tensors = {k: v for f in files for k, v in load_file(str(f)).items()} if mode == MEMORY else None
+    began = time.perf_counter()
+    # wait=False and the probe submitted at once, as a trainer that goes on would: the probe
+    # (min_version) waits for the version, so it is served as soon as a worker can serve it,
+    # whatever the publish still does after registering it (fsyncs, retention).
+    published = await client.publish_weights(version, source if tensors is None else tensors,
+                                             copy=mode == "copy", keep=2, wait=False)
     if mode == MEMORY:  # a trainer's tensors: the call returns once they are copied
-        tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
-        began = time.perf_counter()
-        published = await client.publish_weights(version, tensors, keep=2, wait=False)
         phases["trainer stall"] = time.perf_counter() - began
-        await published
-    else:
-        began = time.perf_counter()
-        await client.publish_weights(version, source, copy=mode == "copy", keep=2)
-    phases["hash in place" if mode == "by reference" else "store"] = time.perf_counter() - began
+    stored: list[float] = []
+    published.add_done_callback(lambda _: stored.append(time.perf_counter() - began))
     await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
     [probe] = await client.take(1, timeout_s=300)
     total_s = time.perf_counter() - began
+    await published
+    phases["hash in place" if mode == "by reference" else "store"] = stored[0]
     if probe.status != "ok" or probe.samples[0].versions[0][0] != version:
         raise RuntimeError(f"probe not served by version {version}: {probe}")
     phases |= await last_swap(client, version)
@@ -201,10 +210,14 @@ async def adapter_once(client: RolloutClient, version: int, adapter) -> dict:
     it is resident: the same group on the same engine a moment later, whose latency is what the
     first probe would have taken had the adapter been servable when the publish began."""
     began = time.perf_counter()
-    entry = await client.publish_weights(version, adapter, adapter_on=0, keep=3)
-    stored = time.perf_counter() - began
+    # wait=False and the probe at once (see `swap_once`): served as soon as a worker can.
+    published = await client.publish_weights(version, adapter, adapter_on=0, keep=3, wait=False)
+    done: list[float] = []
+    published.add_done_callback(lambda _: done.append(time.perf_counter() - began))
     _, result = await probe(client, version)
     total_s = time.perf_counter() - began
+    entry = await published
+    stored = done[0]
     resident_s, _ = await probe(client, version)
     print(f"adapter version {version}: {total_s * 1000:.1f} ms end to end, store "
           f"{stored * 1000:.1f} ms, probe generation {result.generation_s * 1000:.1f} ms, "

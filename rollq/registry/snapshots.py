@@ -18,7 +18,7 @@ from rollq.protocol import FileDigest, VersionEntry
 from rollq.registry.adapters import check_adapter
 from rollq.registry.safetensors_check import (Schema, WeightError, check_compatible, check_header,
                                               open_regular)
-from rollq.registry.store import check_digest_of, refuse_links, refuse_unsafe
+from rollq.registry.store import check_digest_of, copy_fd, refuse_links, refuse_unsafe
 
 
 class Snapshots:
@@ -78,7 +78,7 @@ def _copy_checked(source: Path, target: Path, expected: FileDigest) -> None:
         if size == expected.bytes:
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
-                _copy_fd(src.fileno(), fd, size)
+                copy_fd(src.fileno(), fd, size)
                 os.ftruncate(fd, size)  # a spare's longer file: its tail goes
             finally:
                 os.close(fd)
@@ -117,16 +117,6 @@ def _copy_small(src, target: Path, expected: FileDigest) -> None:
         written = 0
         while written < expected.bytes:  # a raw write may take less than it was given
             written += dst.write(data[written:])
-
-
-def _copy_fd(src: int, dst: int, size: int) -> None:
-    """The kernel copies (sendfile), as shutil.copyfile does for paths."""
-    offset = 0
-    while offset < size:
-        sent = os.sendfile(dst, src, offset, min(size - offset, 1 << 30))
-        if sent == 0:  # the file shrank under us: the size check that follows refuses it
-            break
-        offset += sent
 
 
 def snapshot_schema(directory: Path) -> Schema:
