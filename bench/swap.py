@@ -14,17 +14,17 @@ result marks the moment the worker serves it. Phases:
   `state_dict, wait=False`: writing the trainer's tensors (held in memory) into the store in
   the background, after `trainer stall`, the time the call held the trainer (copying its
   tensors into the client's staging buffer; the first publish of a client also allocates that
-  buffer, reported apart). Every publish is made with `wait=False` and the probe submitted at
-  once (`min_version` waits for the version), so publish -> serving is when a group could first
-  be served on it, not when the call returned (since issue 32; before, the probe followed the
-  call's return, fsyncs and retention included).
+  buffer, reported apart). Every publish is made with `wait=False` and the probe submitted as
+  soon as the version is announced (registered), so publish -> serving is when a group could
+  first be served on it, not when the call returned (since issue 32; before, the probe followed
+  the call's return, fsyncs and retention included).
 - verify: the worker re-reading and hashing the files, checking headers and shapes.
 - drain, pause, load, resume: the worker's swap (`rollq_worker_swap_phase_seconds`).
 
 Adapter versions: a second worker (`--enable-lora --max-lora-rank 16`, its own policy) serves
 the same checkpoint as version 0, and this process publishes rank-16 LoRA adapters of it (PEFT
 models, q/k/v/o projections, as a trainer holds them) as versions 1, 2, ... with
-`adapter_on=0`, each with the same probe group submitted at once: publish -> serving is the PEFT
+`adapter_on=0`, each with the same probe group submitted once it is announced: publish -> serving is the PEFT
 state dict, the adapter's store up to its registration (its two files written while hashed; the
 fsyncs follow, beside the worker), the worker's copy, checks and `add_lora`, and the probe's
 one token under the adapter. No swap: the full weights never change. That token is a CPU
@@ -111,22 +111,37 @@ async def last_swap(client: RolloutClient, version: int, timeout_s: float = 30) 
     raise RuntimeError(f"no heartbeat reported the swap to version {version}")
 
 
+async def last_event(client: RolloutClient) -> str:
+    """The id of the newest version announcement (what `announced` reads after)."""
+    newest = await client.redis.xrevrange(client.keys.version_events, count=1)
+    return newest[0][0] if newest else "0-0"
+
+
+async def announced(client: RolloutClient, after: str) -> None:
+    """Until the registry announces a version after `after` (the stream workers block on)."""
+    while not await client.redis.xread({client.keys.version_events: after}, count=1, block=60_000):
+        pass
+
+
 async def swap_once(client: RolloutClient, version: int, source: Path, mode: str) -> dict:
     files = sorted(source.glob("*.safetensors"))
     raw_cold = raw_read(files, cold=True)  # first: it leaves the files in the page cache
     raw_warm = raw_read(files)
     phases = {}
     tensors = {k: v for f in files for k, v in load_file(str(f)).items()} if mode == MEMORY else None
+    after = await last_event(client)
     began = time.perf_counter()
-    # wait=False and the probe submitted at once, as a trainer that goes on would: the probe
-    # (min_version) waits for the version, so it is served as soon as a worker can serve it,
-    # whatever the publish still does after registering it (fsyncs, retention).
+    # wait=False and the probe submitted as soon as the version is announced (registered), as
+    # a trainer's queued group would find it: served as soon as a worker can serve it, whatever
+    # the publish still does after registering it (fsyncs, retention). (A group submitted
+    # before the version is registered is handed back and claimed again until it is.)
     published = await client.publish_weights(version, source if tensors is None else tensors,
                                              copy=mode == "copy", keep=2, wait=False)
     if mode == MEMORY:  # a trainer's tensors: the call returns once they are copied
         phases["trainer stall"] = time.perf_counter() - began
     stored: list[float] = []
     published.add_done_callback(lambda _: stored.append(time.perf_counter() - began))
+    await announced(client, after)
     await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
     [probe] = await client.take(1, timeout_s=300)
     total_s = time.perf_counter() - began
@@ -209,11 +224,13 @@ async def adapter_once(client: RolloutClient, version: int, adapter) -> dict:
     """Publish an adapter, probe it (raw: publish -> first token), then probe it again now that
     it is resident: the same group on the same engine a moment later, whose latency is what the
     first probe would have taken had the adapter been servable when the publish began."""
+    after = await last_event(client)
     began = time.perf_counter()
-    # wait=False and the probe at once (see `swap_once`): served as soon as a worker can.
+    # wait=False and the probe once the version is announced (see `swap_once`).
     published = await client.publish_weights(version, adapter, adapter_on=0, keep=3, wait=False)
     done: list[float] = []
     published.add_done_callback(lambda _: done.append(time.perf_counter() - began))
+    await announced(client, after)
     _, result = await probe(client, version)
     total_s = time.perf_counter() - began
     entry = await published

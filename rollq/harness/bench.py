@@ -177,12 +177,13 @@ SWAP_PHASES_EXPLAINED = [
     "The phases, in order (each byte's passes in brackets):",
     "- *trainer stall* (state_dict only): `publish_weights` copying the trainer's tensors into a "
     "staging buffer laid out as the safetensors file; the trainer goes on after it [1 memcpy].",
-    "- *store*: the version made a committed directory of the weight store. Copy: the kernel copies "
-    "the files (sendfile), they are hashed from the page cache (BLAKE3), fsynced, renamed, "
-    "registered [copy, hash]. state_dict: the staging buffer written to disk while another thread "
-    "hashes it in memory, fsynced, registered [write + hash at once]. *hash in place* (by "
-    "reference): the trainer's files hashed where they are, registered [hash]. The publisher's "
-    "BLAKE3 pass binds the version's label to these bytes.",
+    "- *store*: the publish task, to its end. Copy: the kernel copies the files into the store "
+    "(sendfile), they are hashed from the page cache (BLAKE3), renamed into place and registered "
+    "[copy, hash]; state_dict: the staging buffer written to disk while another thread hashes it "
+    "in memory, renamed, registered [write + hash at once]. Then, while workers already verify "
+    "it, the fsyncs and `keep`: so *store* overlaps *verify* and the phases add up to more than "
+    "the end to end. *hash in place* (by reference): the trainer's files hashed where they are, "
+    "registered [hash]. The publisher's BLAKE3 pass binds the version's label to these bytes.",
     "- *verify*: the worker, told by the announcement stream, pins the version, copies its files "
     "over a spare snapshot of its own (sendfile into existing blocks and pages), hashes the copy "
     "through a memory map and checks headers and every tensor's shape [copy, hash]: the bytes the "
