@@ -95,7 +95,7 @@ class Publisher:
                                adapter_on: int | None = None) -> VersionEntry:
         if previous is not None:
             await asyncio.wait([previous])  # its outcome is its own caller's to see
-        store = WeightStore(self.weight_store)
+        store = WeightStore(self.weight_store, durable=False)
         # A copy in the store is registered before its fsyncs: workers copy and verify its bytes
         # from the page cache while it becomes durable (fsyncs on a shared disk wait for every
         # other writer's journal commits: the adapter's store step took up to ~175 ms under
@@ -124,16 +124,16 @@ class Publisher:
                 raise InvalidInput("source", f"{source} is not a directory of safetensors files")
             if not copy:
                 return source, digest_dir(source), False
-            return *store.copy_dir(policy, version, source, durable=False), True
+            return *store.copy_dir(policy, version, source), True
         try:  # a packed checkpoint (staging.Image)
-            return *store.write_image(policy, version, source, durable=False), True
+            return *store.write_image(policy, version, source), True
         finally:
             self._staging.give(source.buffer)
 
     def _write_adapter(self, store: WeightStore, version: int, source: Any):
         if isinstance(source, tuple):  # (tensors, config) of a PEFT model, copied already
-            return store.write_adapter(self.keys.policy, version, *source, durable=False)
+            return store.write_adapter(self.keys.policy, version, *source)
         source = Path(source).resolve()
         if not source.is_dir():
             raise InvalidInput("source", f"{source} is not an adapter directory")
-        return store.copy_dir(self.keys.policy, version, source, adapter_files, durable=False)
+        return store.copy_dir(self.keys.policy, version, source, adapter_files)

@@ -78,8 +78,9 @@ def _copy_checked(source: Path, target: Path, expected: FileDigest) -> None:
         if size == expected.bytes:
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             try:
-                copy_fd(src.fileno(), fd, size)
-                os.ftruncate(fd, size)  # a spare's longer file: its tail goes
+                # Cut to what was copied: a spare's longer tail goes, and a source that shrank
+                # under the copy leaves a short file, refused by the size check below.
+                os.ftruncate(fd, copy_fd(src.fileno(), fd, size))
             finally:
                 os.close(fd)
             size = target.stat().st_size

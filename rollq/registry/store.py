@@ -109,16 +109,17 @@ def _checked(files: list[Path], digests: list[FileDigest]) -> list[FileDigest]:
     return [by_name[f.name] for f in files]
 
 
-def copy_fd(src: int, dst: int, size: int) -> None:
+def copy_fd(src: int, dst: int, size: int) -> int:
     """Copy `size` bytes between descriptors in the kernel (sendfile), as shutil.copyfile does
-    for paths. A file that shrank meanwhile ends the copy short: callers compare sizes or
-    digests after it."""
+    for paths; returns the bytes copied. A file that shrank meanwhile ends the copy short:
+    callers compare sizes or digests after it."""
     offset = 0
     while offset < size:
         sent = os.sendfile(dst, src, offset, min(size - offset, 1 << 30))
         if sent == 0:
             break
         offset += sent
+    return offset
 
 
 def _fsync_file(path: Path) -> None:
@@ -207,16 +208,19 @@ def digest_dir(path: Path) -> list[FileDigest]:
 
 
 class WeightStore:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, durable: bool = True):
+        """`durable=False`: versions are renamed into place before any fsync; `make_durable`
+        fsyncs them later (the client's publishes: docs/architecture.md, "Versions before they
+        are durable")."""
         self.root = Path(root).resolve()
+        self.durable = durable
 
-    def _write(self, policy: str, version: int, fill, listing=weight_files, *,
-               durable: bool = True) -> tuple[Path, list[FileDigest]]:
+    def _write(self, policy: str, version: int, fill,
+               listing=weight_files) -> tuple[Path, list[FileDigest]]:
         """`fill(tmp_dir)` writes the files (`listing` names them: safetensors, or an adapter's
         two files) and may return their digests, taken from the bytes it wrote (then only
-        sizes and headers are read back); the rest makes them a committed version.
-        `durable=False`: renamed into place before any fsync; `make_durable` fsyncs them later
-        (the client's publishes: docs/architecture.md, "Versions before they are durable")."""
+        sizes and headers are read back); the rest makes them a committed version (durable
+        before the rename unless the store was made with `durable=False`)."""
         parent = self._policy_dir(policy)
         parent.mkdir(parents=True, exist_ok=True)
         name = f"v{version:010d}-{uuid.uuid4().hex[:8]}"
@@ -231,11 +235,11 @@ class WeightStore:
                         "committed_at": time.time()}
             marker = tmp / COMMIT_MARKER
             marker.write_text(json.dumps(manifest))
-            if durable:
+            if self.durable:
                 _fsync_together([*names, marker], tmp)
             final = parent / name
             os.rename(tmp, final)
-            if durable:
+            if self.durable:
                 _fsync_dir(parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -260,18 +264,18 @@ class WeightStore:
 
         return self._write(policy, version, fill)
 
-    def write_image(self, policy: str, version: int, image: staging.Image, *,
-                    durable: bool = True) -> tuple[Path, list[FileDigest]]:
+    def write_image(self, policy: str, version: int,
+                    image: staging.Image) -> tuple[Path, list[FileDigest]]:
         """A packed checkpoint (`staging.Staging.pack`): written to disk while another thread
         hashes the same bytes in memory (BLAKE3 releases the GIL), so the file is never read back."""
 
         def fill(tmp: Path) -> list[FileDigest]:
             return [_write_hashed(tmp / "model.safetensors", image.view)]
 
-        return self._write(policy, version, fill, durable=durable)
+        return self._write(policy, version, fill)
 
-    def copy_dir(self, policy: str, version: int, source: Path, listing=weight_files, *,
-                 durable: bool = True) -> tuple[Path, list[FileDigest]]:
+    def copy_dir(self, policy: str, version: int, source: Path,
+                 listing=weight_files) -> tuple[Path, list[FileDigest]]:
         """The files `listing` names (an adapter: `adapter_files`, nothing else of the directory).
 
         Copied by the kernel (`copy_fd`: one copy of each page, none through Python's buffers),
@@ -285,13 +289,12 @@ class WeightStore:
                 with os.fdopen(open_regular(f), "rb") as src, open(tmp / f.name, "xb") as dst:
                     copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
 
-        return self._write(policy, version, fill, listing, durable=durable)
+        return self._write(policy, version, fill, listing)
 
-    def write_adapter(self, policy: str, version: int, tensors: dict[str, Any], config: bytes, *,
-                      durable: bool = True) -> tuple[Path, list[FileDigest]]:
+    def write_adapter(self, policy: str, version: int, tensors: dict[str, Any],
+                      config: bytes) -> tuple[Path, list[FileDigest]]:
         """An adapter version: its LoRA tensors and its PEFT config (JSON bytes), checked and
-        hashed from memory as they are written (nothing read back but the tensors' header).
-        `durable=False`: see `_write`."""
+        hashed from memory as they are written (nothing read back but the tensors' header)."""
         adapters.parse_config(config)
         image = staging.Staging(keep=0).pack(tensors)
 
@@ -299,10 +302,10 @@ class WeightStore:
             return [_write_hashed(tmp / adapters.WEIGHTS, image.view),
                     _write_hashed(tmp / adapters.CONFIG, memoryview(config))]
 
-        return self._write(policy, version, fill, adapter_files, durable=durable)
+        return self._write(policy, version, fill, adapter_files)
 
     def make_durable(self, path: str | Path) -> None:
-        """fsync a version written with `durable=False`: its files, manifest and directory
+        """fsync a version written by a `durable=False` store: its files, manifest and directory
         together, then its parent (the rename). Once this returns, a machine crash keeps it."""
         path = Path(path)
         try:
