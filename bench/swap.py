@@ -117,6 +117,12 @@ async def last_event(client: RolloutClient) -> str:
     return newest[0][0] if newest else "0-0"
 
 
+async def ended(task: asyncio.Task) -> float:
+    """When `task` ended (perf_counter), however late it is awaited."""
+    await asyncio.wait([task])
+    return time.perf_counter()
+
+
 async def announced(client: RolloutClient, after: str) -> None:
     """Until the registry announces a version after `after` (the stream workers block on)."""
     while not await client.redis.xread({client.keys.version_events: after}, count=1, block=60_000):
@@ -139,14 +145,12 @@ async def swap_once(client: RolloutClient, version: int, source: Path, mode: str
                                              copy=mode == "copy", keep=2, wait=False)
     if mode == MEMORY:  # a trainer's tensors: the call returns once they are copied
         phases["trainer stall"] = time.perf_counter() - began
-    stored: list[float] = []
-    published.add_done_callback(lambda _: stored.append(time.perf_counter() - began))
+    stored = asyncio.ensure_future(ended(published))
     await announced(client, after)
     await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
     [probe] = await client.take(1, timeout_s=300)
     total_s = time.perf_counter() - began
-    await published
-    phases["hash in place" if mode == "by reference" else "store"] = stored[0]
+    phases["hash in place" if mode == "by reference" else "store"] = await stored - began
     if probe.status != "ok" or probe.samples[0].versions[0][0] != version:
         raise RuntimeError(f"probe not served by version {version}: {probe}")
     phases |= await last_swap(client, version)
@@ -228,13 +232,12 @@ async def adapter_once(client: RolloutClient, version: int, adapter) -> dict:
     began = time.perf_counter()
     # wait=False and the probe once the version is announced (see `swap_once`).
     published = await client.publish_weights(version, adapter, adapter_on=0, keep=3, wait=False)
-    done: list[float] = []
-    published.add_done_callback(lambda _: done.append(time.perf_counter() - began))
+    done = asyncio.ensure_future(ended(published))
     await announced(client, after)
     _, result = await probe(client, version)
     total_s = time.perf_counter() - began
     entry = await published
-    stored = done[0]
+    stored = await done - began
     resident_s, _ = await probe(client, version)
     print(f"adapter version {version}: {total_s * 1000:.1f} ms end to end, store "
           f"{stored * 1000:.1f} ms, probe generation {result.generation_s * 1000:.1f} ms, "
