@@ -99,7 +99,7 @@ class Publisher:
         # A copy in the store is registered before its fsyncs: workers copy and verify its bytes
         # from the page cache while it becomes durable (fsyncs on a shared disk wait for every
         # other writer's journal commits: the adapter's store step took up to ~175 ms under
-        # load, a 445 MB checkpoint's fsync ~0.3 s quiet); the call returns once durable. What
+        # load; a checkpoint's fsync writes all of it to disk); the call returns once durable. What
         # a crash leaves at each step: docs/architecture.md, "Versions before they are durable".
         if adapter_on is None:
             path, files, owned = await asyncio.to_thread(self._write_weights, store, version,
