@@ -8,19 +8,25 @@ weight store on local disk (the default), then registered in place (`copy=False`
 after each publish submits a one-token probe group with `min_version` = the new version: its
 result marks the moment the worker serves it. Phases:
 
-- store: `publish_weights` copying the files into the store, fsyncing and hashing them (trainer);
-  by reference: hashing them in place; `state_dict, wait=False`: writing the trainer's tensors
-  (held in memory) into the store in the background, after `trainer stall`, the time the call
-  held the trainer (copying its tensors into the client's staging buffer; the first publish of
-  a client also allocates that buffer, reported apart).
+- store: `publish_weights` copying the files into the store, hashing them, registering them,
+  then fsyncing them (trainer: the version is registered, and workers start on it, before the
+  fsyncs, which run beside the worker's verify); by reference: hashing them in place;
+  `state_dict, wait=False`: writing the trainer's tensors (held in memory) into the store in
+  the background, after `trainer stall`, the time the call held the trainer (copying its
+  tensors into the client's staging buffer; the first publish of a client also allocates that
+  buffer, reported apart). Every publish is made with `wait=False` and the probe submitted as
+  soon as the version is announced (registered), so publish -> serving is when a group could
+  first be served on it, not when the call returned (since issue 32; before, the probe followed
+  the call's return, fsyncs and retention included).
 - verify: the worker re-reading and hashing the files, checking headers and shapes.
 - drain, pause, load, resume: the worker's swap (`rollq_worker_swap_phase_seconds`).
 
 Adapter versions: a second worker (`--enable-lora --max-lora-rank 16`, its own policy) serves
 the same checkpoint as version 0, and this process publishes rank-16 LoRA adapters of it (PEFT
 models, q/k/v/o projections, as a trainer holds them) as versions 1, 2, ... with
-`adapter_on=0`, each followed by the same probe group: publish -> serving is the adapter's store
-(its two files, fsynced and hashed), the worker's copy, checks and `add_lora`, and the probe's
+`adapter_on=0`, each with the same probe group submitted once it is announced: publish -> serving is the PEFT
+state dict, the adapter's store up to its registration (its two files written while hashed; the
+fsyncs follow, beside the worker), the worker's copy, checks and `add_lora`, and the probe's
 one token under the adapter. No swap: the full weights never change. That token is a CPU
 forward pass of the whole model with LoRA (~50-110 ms here), so each publish's probe is followed
 by the same probe on the adapter, now resident: `publish -> servable` (raw publish -> first
@@ -31,7 +37,10 @@ generating` (end to end less the probe's generation time as the worker measured 
 The raw read is the same files read once, sequentially, just before each publish: warm (from
 the page cache, as the swap finds them) and cold (page cache dropped first: storage bandwidth;
 needs root). Reported: end to end, each phase, and the effective bandwidth (checkpoint bytes /
-end to end) as a fraction of each raw read's.
+end to end) as a fraction of each raw read's; and the **engine floor**, per publish: its cold
+read plus the worker's `load` phase of the same swap (vLLM's `reload_weights` of the snapshot,
+its probe token), what any swap through vLLM pays at least, with publish -> serving / floor
+(median of the per-publish ratios; target <= 1.3).
 
     python bench/swap.py [--repeats 3] [--adapter-repeats 9] [--only full|adapter]
     # table + bench/results/swap.json
@@ -102,35 +111,66 @@ async def last_swap(client: RolloutClient, version: int, timeout_s: float = 30) 
     raise RuntimeError(f"no heartbeat reported the swap to version {version}")
 
 
+async def last_event(client: RolloutClient) -> str:
+    """The id of the newest version announcement (what `announced` reads after)."""
+    newest = await client.redis.xrevrange(client.keys.version_events, count=1)
+    return newest[0][0] if newest else "0-0"
+
+
+async def ended(task: asyncio.Task) -> float:
+    """When `task` ended (perf_counter), however late it is awaited."""
+    await asyncio.wait([task])
+    return time.perf_counter()
+
+
+async def announced(client: RolloutClient, after: str) -> None:
+    """Until the registry announces a version after `after` (the stream workers block on)."""
+    while not await client.redis.xread({client.keys.version_events: after}, count=1, block=60_000):
+        pass
+
+
 async def swap_once(client: RolloutClient, version: int, source: Path, mode: str) -> dict:
     files = sorted(source.glob("*.safetensors"))
     raw_cold = raw_read(files, cold=True)  # first: it leaves the files in the page cache
     raw_warm = raw_read(files)
     phases = {}
+    tensors = {k: v for f in files for k, v in load_file(str(f)).items()} if mode == MEMORY else None
+    after = await last_event(client)
+    began = time.perf_counter()
+    # wait=False and the probe submitted as soon as the version is announced (registered), as
+    # a trainer's queued group would find it: served as soon as a worker can serve it, whatever
+    # the publish still does after registering it (fsyncs, retention). (A group submitted
+    # before the version is registered is handed back and claimed again until it is.)
+    published = await client.publish_weights(version, source if tensors is None else tensors,
+                                             copy=mode == "copy", keep=2, wait=False)
     if mode == MEMORY:  # a trainer's tensors: the call returns once they are copied
-        tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
-        began = time.perf_counter()
-        published = await client.publish_weights(version, tensors, keep=2, wait=False)
         phases["trainer stall"] = time.perf_counter() - began
-        await published
-    else:
-        began = time.perf_counter()
-        await client.publish_weights(version, source, copy=mode == "copy", keep=2)
-    phases["hash in place" if mode == "by reference" else "store"] = time.perf_counter() - began
+    stored = asyncio.ensure_future(ended(published))
+    await announced(client, after)
     await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
     [probe] = await client.take(1, timeout_s=300)
     total_s = time.perf_counter() - began
+    phases["hash in place" if mode == "by reference" else "store"] = await stored - began
     if probe.status != "ok" or probe.samples[0].versions[0][0] != version:
         raise RuntimeError(f"probe not served by version {version}: {probe}")
     phases |= await last_swap(client, version)
     print(f"version {version} ({mode}): {total_s:.2f} s end to end, raw read "
           f"{raw_warm:.3f} s warm, {raw_cold or float('nan'):.3f} s cold; "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()), flush=True)
+          + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+          + f" (load average {os.getloadavg()[0]:.1f})", flush=True)
     return {"total_s": total_s, "raw_warm_s": raw_warm, "raw_cold_s": raw_cold, "phases": phases}
+
+
+def floor(run: dict) -> float | None:
+    """The engine floor of one publish: its cold read + vLLM's load of the same bytes."""
+    if run["raw_cold_s"] is None:
+        return None
+    return run["raw_cold_s"] + run["phases"]["load"]
 
 
 def summary(runs: list[dict], size: int) -> dict:
     total = statistics.median(r["total_s"] for r in runs)
+    floors = [(r["total_s"], floor(r)) for r in runs if floor(r) is not None]
     warm = statistics.median(r["raw_warm_s"] for r in runs)
     colds = [r["raw_cold_s"] for r in runs if r["raw_cold_s"] is not None]
     cold = statistics.median(colds) if colds else None
@@ -139,7 +179,10 @@ def summary(runs: list[dict], size: int) -> dict:
             "stall_first_s": stalls[0] if stalls else None,
             "phases_s": {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]},
             "raw_warm_s": warm, "raw_cold_s": cold, "ratio_vs_warm": warm / total,
-            "ratio_vs_cold": cold / total if cold else None, "runs": runs}
+            "ratio_vs_cold": cold / total if cold else None,
+            "floor_s": statistics.median(f for _, f in floors) if floors else None,
+            "ratio_vs_floor": statistics.median(t / f for t, f in floors) if floors else None,
+            "runs": runs}
 
 
 def start_worker(redis_url: str, policy: str, model: Path, *flags: str) -> subprocess.Popen:
@@ -185,11 +228,16 @@ async def adapter_once(client: RolloutClient, version: int, adapter) -> dict:
     """Publish an adapter, probe it (raw: publish -> first token), then probe it again now that
     it is resident: the same group on the same engine a moment later, whose latency is what the
     first probe would have taken had the adapter been servable when the publish began."""
+    after = await last_event(client)
     began = time.perf_counter()
-    entry = await client.publish_weights(version, adapter, adapter_on=0, keep=3)
-    stored = time.perf_counter() - began
+    # wait=False and the probe once the version is announced (see `swap_once`).
+    published = await client.publish_weights(version, adapter, adapter_on=0, keep=3, wait=False)
+    done = asyncio.ensure_future(ended(published))
+    await announced(client, after)
     _, result = await probe(client, version)
     total_s = time.perf_counter() - began
+    entry = await published
+    stored = await done - began
     resident_s, _ = await probe(client, version)
     print(f"adapter version {version}: {total_s * 1000:.1f} ms end to end, store "
           f"{stored * 1000:.1f} ms, probe generation {result.generation_s * 1000:.1f} ms, "
@@ -264,6 +312,9 @@ def report(r: dict) -> None:
         cold = f"{m['raw_cold_s']:.3f} s" if m["raw_cold_s"] else "n/a"
         print(f"{mode}: publish -> serving {m['total_s']:.2f} s ({m['gb_per_s']:.2f} GB/s); raw read "
               f"{m['raw_warm_s']:.3f} s warm, {cold} cold")
+        if m.get("ratio_vs_floor"):
+            print(f"  engine floor (cold read + load) {m['floor_s']:.2f} s; publish -> serving / floor "
+                  f"{m['ratio_vs_floor']:.2f} (target <= 1.3)")
         print("  " + ", ".join(f"{k} {v:.2f} s" for k, v in m["phases_s"].items()))
     a = r["adapter"]
     if a:

@@ -18,6 +18,7 @@ from rollq.protocol import InvalidInput, Version, VersionEntry, typed
 from rollq.queue.keys import Keys
 from rollq.registry.adapters import is_adapter_dir
 from rollq.registry.commit import commit_files
+from rollq.registry.retention import retain
 from rollq.registry.sources import adapter_of, gathered, is_sharded, named_tensors
 from rollq.registry.staging import Staging
 from rollq.registry.store import WeightStore, adapter_files, digest_dir
@@ -93,16 +94,26 @@ class Publisher:
                                adapter_on: int | None = None) -> VersionEntry:
         if previous is not None:
             await asyncio.wait([previous])  # its outcome is its own caller's to see
-        store = WeightStore(self.weight_store)
+        store = WeightStore(self.weight_store, durable=False)
+        # A copy in the store is registered before its fsyncs: workers copy and verify its bytes
+        # from the page cache while it becomes durable (fsyncs on a shared disk wait for every
+        # other writer's journal commits: the adapter's store step took up to ~175 ms under
+        # load; a checkpoint's fsync writes all of it to disk); the call returns once durable. What
+        # a crash leaves at each step: docs/architecture.md, "Versions before they are durable".
         if adapter_on is None:
             path, files, owned = await asyncio.to_thread(self._write_weights, store, version,
                                                          source, copy)
         else:
             path, files = await asyncio.to_thread(self._write_adapter, store, version, source)
             owned = True
-        return await commit_files(self.redis, self.keys, store, version, path, files, owned,
-                                  publisher=self.trainer_id, keep=keep, registry=self.registry,
-                                  adapter_on=adapter_on)
+        entry = await commit_files(self.redis, self.keys, store, version, path, files, owned,
+                                   publisher=self.trainer_id, keep=None, registry=self.registry,
+                                   adapter_on=adapter_on)
+        if owned:  # (by reference: the trainer's files, whose durability is the trainer's)
+            await asyncio.to_thread(store.make_durable, path)
+        if keep is not None:  # older versions go only once this one is durable
+            await retain(self.redis, self.keys, store, keep)
+        return entry
 
     def _write_weights(self, store: WeightStore, version: int, source: Any, copy: bool):
         policy = self.keys.policy

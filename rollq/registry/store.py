@@ -109,6 +109,19 @@ def _checked(files: list[Path], digests: list[FileDigest]) -> list[FileDigest]:
     return [by_name[f.name] for f in files]
 
 
+def copy_fd(src: int, dst: int, size: int) -> int:
+    """Copy `size` bytes between descriptors in the kernel (sendfile), as shutil.copyfile does
+    for paths; returns the bytes copied. A file that shrank meanwhile ends the copy short:
+    callers compare sizes or digests after it."""
+    offset = 0
+    while offset < size:
+        sent = os.sendfile(dst, src, offset, min(size - offset, 1 << 30))
+        if sent == 0:
+            break
+        offset += sent
+    return offset
+
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -195,14 +208,19 @@ def digest_dir(path: Path) -> list[FileDigest]:
 
 
 class WeightStore:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, durable: bool = True):
+        """`durable=False`: versions are renamed into place before any fsync; `make_durable`
+        fsyncs them later (the client's publishes: docs/architecture.md, "Versions before they
+        are durable")."""
         self.root = Path(root).resolve()
+        self.durable = durable
 
     def _write(self, policy: str, version: int, fill,
                listing=weight_files) -> tuple[Path, list[FileDigest]]:
         """`fill(tmp_dir)` writes the files (`listing` names them: safetensors, or an adapter's
         two files) and may return their digests, taken from the bytes it wrote (then only
-        sizes and headers are read back); the rest makes them a committed version."""
+        sizes and headers are read back); the rest makes them a committed version (durable
+        before the rename unless the store was made with `durable=False`)."""
         parent = self._policy_dir(policy)
         parent.mkdir(parents=True, exist_ok=True)
         name = f"v{version:010d}-{uuid.uuid4().hex[:8]}"
@@ -217,10 +235,12 @@ class WeightStore:
                         "committed_at": time.time()}
             marker = tmp / COMMIT_MARKER
             marker.write_text(json.dumps(manifest))
-            _fsync_together([*names, marker], tmp)
+            if self.durable:
+                _fsync_together([*names, marker], tmp)
             final = parent / name
             os.rename(tmp, final)
-            _fsync_dir(parent)
+            if self.durable:
+                _fsync_dir(parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -258,15 +278,16 @@ class WeightStore:
                  listing=weight_files) -> tuple[Path, list[FileDigest]]:
         """The files `listing` names (an adapter: `adapter_files`, nothing else of the directory).
 
-        Copied by `copyfileobj`, then hashed from the page cache: one pass copying while hashing
-        (each chunk written while another thread hashes it) measured no faster here, and up to
-        5x slower under load (docs/benchmarks.md)."""
+        Copied by the kernel (`copy_fd`: one copy of each page, none through Python's buffers),
+        then hashed from the page cache: one pass copying while hashing (each chunk written while
+        another thread hashes it) measured no faster here, and up to 5x slower under load
+        (docs/benchmarks.md)."""
         files = listing(source)
 
         def fill(tmp: Path) -> None:
             for f in files:  # opened without following links: the name may have changed since
                 with os.fdopen(open_regular(f), "rb") as src, open(tmp / f.name, "xb") as dst:
-                    shutil.copyfileobj(src, dst, _CHUNK)
+                    copy_fd(src.fileno(), dst.fileno(), os.fstat(src.fileno()).st_size)
 
         return self._write(policy, version, fill, listing)
 
@@ -282,6 +303,16 @@ class WeightStore:
                     _write_hashed(tmp / adapters.CONFIG, memoryview(config))]
 
         return self._write(policy, version, fill, adapter_files)
+
+    def make_durable(self, path: str | Path) -> None:
+        """fsync a version written by a `durable=False` store: its files, manifest and directory
+        together, then its parent (the rename). Once this returns, a machine crash keeps it."""
+        path = Path(path)
+        try:
+            _fsync_together(sorted(p for p in path.iterdir() if p.is_file()), path)
+        except FileNotFoundError:  # retired meanwhile (another publisher's `keep`): nothing to keep
+            return
+        _fsync_dir(path.parent)
 
     def delete(self, path: str | Path) -> None:
         """Remove a version directory this store wrote (never one published by reference)."""

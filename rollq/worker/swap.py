@@ -158,7 +158,8 @@ class VersionFollower:
             checking = time.monotonic()
             await asyncio.get_running_loop().run_in_executor(
                 self._checker, functools.partial(check_version, entry, self.base_schema, snapshot,
-                                                 finite=self.mode == "keep"))
+                                                 finite=self.mode == "keep",
+                                                 spare=self.snapshots.take_spare()))
             served = await self.swap_to(entry, snapshot, verify_s=time.monotonic() - checking)
         finally:
             heartbeat.target = None
@@ -207,8 +208,10 @@ class VersionFollower:
         return True
 
     async def _release(self, version: int, snapshot: Path) -> None:
+        """The engine reads `snapshot` no more (swapped past it, or back from it): its files
+        are kept as the spare the next version's copy writes over."""
         self.heartbeat.holds.discard(version)
-        self.snapshots.drop(snapshot)
+        self.snapshots.drop(snapshot, spare=True)
         with contextlib.suppress(RedisError):  # else the lease lapses by itself
             await self.registry.unpin(version, self.worker_id)
 
