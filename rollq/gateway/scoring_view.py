@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from rollq.queue.keys import Keys
 from rollq.queue.names import JobField
-from rollq.scoring.records import REWARD_S_BUCKETS, JobTally, read_tallies
+from rollq.scoring.records import REWARD_S_BUCKETS, JobTally, add_job_tally, read_tallies
 
 SERIES_POINTS = 900
 """Seconds of scoring history: 15 minutes."""
@@ -51,14 +51,7 @@ class Sums:
     reward_s: float = 0.0
 
     def add(self, t: JobTally | Sums) -> None:
-        self.written.update(t.written)
-        self.resampled += t.resampled
-        self.rewards += t.rewards
-        self.total += t.total
-        self.squares += t.squares
-        self.missing += t.missing
-        self.scored += t.scored
-        self.reward_s += t.reward_s
+        add_job_tally(self, t)
 
     @property
     def mean(self) -> float | None:

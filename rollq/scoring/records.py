@@ -63,6 +63,19 @@ class JobTally(msgspec.Struct, array_like=True, omit_defaults=True):
     reward_s: float = 0.0
 
 
+def add_job_tally(into, tally: JobTally) -> None:
+    """Add `tally`'s counts and sums to `into` (a JobTally, or the gateway's sums of many)."""
+    for status, count in tally.written.items():
+        into.written[status] = into.written.get(status, 0) + count
+    into.resampled += tally.resampled
+    into.rewards += tally.rewards
+    into.total += tally.total
+    into.squares += tally.squares
+    into.missing += tally.missing
+    into.scored += tally.scored
+    into.reward_s += tally.reward_s
+
+
 class Tally(msgspec.Struct, array_like=True):
     scorer_id: str
     at: float

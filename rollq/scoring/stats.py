@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from rollq.protocol import GroupResult
 from rollq.queue.keys import Keys
-from rollq.scoring.records import REWARD_S_BUCKETS, JobTally, Tally, add_tally
+from rollq.scoring.records import REWARD_S_BUCKETS, JobTally, Tally, add_job_tally, add_tally
 
 log = logging.getLogger("rollq.scorer")
 
@@ -72,16 +72,7 @@ class ScoringStats:
     def put_back(self, tally: Tally) -> None:
         """A tally that could not be added: counted again in the next one."""
         for old in tally.jobs:
-            job = self._job(old.trainer, old.job_id)
-            for status, count in old.written.items():
-                job.written[status] = job.written.get(status, 0) + count
-            job.resampled += old.resampled
-            job.rewards += old.rewards
-            job.total += old.total
-            job.squares += old.squares
-            job.missing += old.missing
-            job.scored += old.scored
-            job.reward_s += old.reward_s
+            add_job_tally(self._job(old.trainer, old.job_id), old)
         self._reward_s = [a + b for a, b in zip(self._reward_s, tally.reward_s)]
 
     async def add(self, redis: Redis, keys: Keys, now: float) -> bool:
