@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from structured_models import WHITESPACE, make_byte_model
 from test_chat_vllm import assert_same
-from vllm_servers import VLLMServer
+from vllm_servers import VLLMServer, start_engine
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +32,7 @@ def vllm_server(byte_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 async def byte_engine(byte_model, vllm_server):
     """The rollq side's engine, started while vLLM's server starts."""
-    from conftest import engine_flags
-
-    from rollq.config import VLLMSettings
-    from rollq.engine.vllm import VLLMEngine
-
-    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(byte_model)).validate())
+    engine = await start_engine(byte_model)
     yield engine
     await engine.close()
 

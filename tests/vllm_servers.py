@@ -84,7 +84,8 @@ class VLLMServer:
         self._log.close()
 
 
-async def _start_engine(model: Path, **settings):
+async def start_engine(model: Path, **settings):
+    """rollq's vLLM engine on `model` with the tests' flags (`settings` on top)."""
     from conftest import engine_flags
 
     from rollq.config import VLLMSettings
@@ -112,7 +113,7 @@ def chat_server(chat_model, tmp_path_factory):
 async def chat_engine(chat_model, chat_server):
     """The rollq side's engine on the chat model, started while vLLM's server starts (it depends
     on it for that)."""
-    engine = await _start_engine(chat_model)
+    engine = await start_engine(chat_model)
     yield engine
     await engine.close()
 
@@ -128,7 +129,7 @@ def tool_model(tmp_path_factory) -> Path:
 async def hermes_engine(tool_model):
     """The tool model's engine with vLLM's hermes tool parser (`--enable-auto-tool-choice
     --tool-call-parser hermes` on a worker)."""
-    engine = await _start_engine(tool_model, max_model_len=TOOL_MAX_MODEL_LEN,
+    engine = await start_engine(tool_model, max_model_len=TOOL_MAX_MODEL_LEN,
                                  enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield engine
     await engine.close()
