@@ -100,7 +100,14 @@ if os.environ.get("ROLLQ_TEST_ENGINE_ENV", "1") != "0":
     #   other idled. Unpinned and one thread each, the OS spreads them over both cores.
     # - torch.compile of the sampler's small kernels (a C++ build per engine start, ~6 s warm and
     #   far more on a cold cache) is an optimisation, not a behaviour: eager runs the same ops.
+    # - One engine process, not two: with V1 multiprocessing off, vLLM's CPU build keeps the
+    #   in-process ("uni") executor, so the model runs in the EngineCore process instead of a
+    #   worker spawned from it. AsyncLLM still runs its engine core in a process of its own, so
+    #   every engine is as separate from the test process as before; each start spares a second
+    #   process's imports (~7 s of ~16 s) and its close a second exit. Binding needs "mp", and
+    #   the tests do not bind.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
