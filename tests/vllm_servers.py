@@ -11,6 +11,7 @@ the weights of a shared engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -39,12 +40,47 @@ SHARED_FIXTURES = {"chat_server": "chat-model", "chat_engine": "chat-model",
 TOOL_MAX_MODEL_LEN = 2048
 
 
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+"""Each module's seconds (its tests' setup + call + teardown) in a recent full run: the scheduler
+hands out the longest groups first. Refresh it from a run's durations file with
+`python tests/vllm_servers.py .test-durations.json`; a module missing from it counts as short."""
+
+
 class ModuleGroups(LoadScopeScheduling):
-    """pytest-xdist's scheduler by scope, the scope being a test's module or its `SHARED` group."""
+    """pytest-xdist's scheduler by scope, the scope being a test's module or its `SHARED` group,
+    the longest scopes first (by `MODULE_SECONDS`): in collection order, a 150 s module collected
+    last ran alone at the end while the other process idled."""
 
     def _split_scope(self, nodeid: str) -> str:
         module = nodeid.split("::", 1)[0]
         return SHARED.get(module, module)
+
+    def schedule(self) -> None:
+        if self.collection is None:  # the first call fills the work queue, then hands it out
+            self.config.option.loadscopereorder = False
+            seconds = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+            self._order = {}
+            for nodeid in next(iter(self.registered_collections.values()), []):
+                module = nodeid.split("::", 1)[0]
+                scope = self._split_scope(nodeid)
+                self._order[scope] = self._order.get(scope, 0.0) + seconds.pop(module, 0.0)
+        super().schedule()
+
+    def _assign_work_unit(self, node) -> None:
+        if getattr(self, "_order", None):
+            for scope in sorted(self.workqueue, key=lambda s: -self._order.get(s, 0.0)):
+                self.workqueue.move_to_end(scope)
+            self._order = None  # sorted once; the queue keeps the order
+        super()._assign_work_unit(node)
+
+
+def _write_module_seconds(durations_file: str) -> None:
+    modules: dict[str, float] = {}
+    for nodeid, seconds in json.loads(Path(durations_file).read_text())["durations"].items():
+        module = nodeid.split("::", 1)[0]
+        modules[module] = round(modules.get(module, 0.0) + seconds, 1)
+    MODULE_SECONDS.write_text(json.dumps(dict(sorted(modules.items(), key=lambda kv: -kv[1])),
+                                         indent=0) + "\n")
 
 
 class VLLMServer:
@@ -133,3 +169,7 @@ async def hermes_engine(tool_model):
                                  enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield engine
     await engine.close()
+
+
+if __name__ == "__main__":
+    _write_module_seconds(sys.argv[1])
