@@ -29,6 +29,9 @@ from rollq.protocol import (SAMPLING_EXTRA, Sample, Sampling, WorkItem, pack_flo
 
 log = logging.getLogger("rollq.engine.vllm")
 
+ENGINE_EXIT_GRACE_S = 1.0
+"""How long `close` waits for vLLM's engine core process to exit before it is killed."""
+
 # Fields the wire type owns: `extra` may not override them (n, logprobs and output kind are ours).
 _OWNED = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "max_tokens", "stop_token_ids", "seed", "logprobs",
@@ -599,7 +602,11 @@ class VLLMEngine:
         if self._no_adapter_dir is not None:
             self._no_adapter_dir.cleanup()
         if llm is not None:
-            llm.shutdown()
+            # vLLM's engine core exits after a teardown (a full GC of its heap, the process
+            # group) that took 3-5 s here and was often cut short by vLLM's own 5 s SIGKILL:
+            # the process holds nothing to keep (results are in Redis, weights on disk), so it
+            # gets a second, then process exit frees the rest.
+            llm.shutdown(timeout=ENGINE_EXIT_GRACE_S)
             # AsyncLLM.__del__ calls shutdown() again, at interpreter exit when vLLM's module
             # globals are gone ("'NoneType' object is not callable"): once is enough.
             llm.shutdown = lambda *args, **kwargs: None
