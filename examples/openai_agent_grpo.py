@@ -4,7 +4,8 @@ The agent (`agent` below) is an ordinary OpenAI tool loop: `chat.completions.cre
 run the tool the model called, send the tool message back, take the final answer. It runs
 unchanged against the gateway; the trainer gives it a client whose base URL is the gateway and
 whose `default_headers` name the episode's conversation (`X-Rollq-Conversation`), and request
-options of its own (temperature, the step's `exact_version`, `return_token_ids`).
+options of its own (temperature, the conversation's `seed`, the step's `exact_version`,
+`return_token_ids`). The seeds come from `--seed`: the same seed, the same run.
 
 The task ("secret color"): the tool `guess(color)` answers "correct" for one color of four and
 "wrong" otherwise; the reward is 1.0 when the call hit it. The tiny random model made here would
