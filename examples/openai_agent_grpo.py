@@ -4,7 +4,8 @@ The agent (`agent` below) is an ordinary OpenAI tool loop: `chat.completions.cre
 run the tool the model called, send the tool message back, take the final answer. It runs
 unchanged against the gateway; the trainer gives it a client whose base URL is the gateway and
 whose `default_headers` name the episode's conversation (`X-Rollq-Conversation`), and request
-options of its own (temperature, the step's `exact_version`, `return_token_ids`).
+options of its own (temperature, the conversation's `seed`, the step's `exact_version`,
+`return_token_ids`). The seeds come from `--seed`: the same seed, the same run.
 
 The task ("secret color"): the tool `guess(color)` answers "correct" for one color of four and
 "wrong" otherwise; the reward is 1.0 when the call hit it. The tiny random model made here would
@@ -162,16 +163,21 @@ async def train(gateway_url: str, token: str, client: RolloutClient, trainer: Ep
             options = dict(temperature=1.0,
                            extra_body={"exact_version": version, "return_token_ids": True})
 
-            async def episode(conversation: str, question: str, options=options):
+            async def episode(conversation: str, question: str, sample_seed: int, options=options):
                 # The agent's own client, as a user would make it: base URL, key, the header.
                 own = base.with_options(default_headers={HEADER: conversation})
-                messages, completions = await agent(own, model, question, **options)
+                messages, completions = await agent(own, model, question, seed=sample_seed, **options)
                 return messages, completions, await client.conversation(conversation)
 
             names = [[f"{run}-{step}-{g}-{i}" for i in range(n)] for g in range(groups)]
             questions = [rng.choice(QUESTIONS) for _ in range(groups)]
-            batch = await asyncio.gather(*(asyncio.gather(*(episode(c, q) for c in group))
-                                           for group, q in zip(names, questions)))
+            # A seed per conversation (vLLM's per-request generator) makes the run reproducible: the
+            # engine's default generator is shared by whatever requests a step batches together.
+            seeds = [[rng.randrange(2**31) for _ in group] for group in names]
+            # gather keeps the order it was given: the rows below are group-major, sample-minor, however
+            # the conversations finished.
+            batch = await asyncio.gather(*(asyncio.gather(*(episode(c, q, s) for c, s in zip(group, ss)))
+                                           for group, q, ss in zip(names, questions, seeds)))
             rows, advantages, rewards = [], [], []
             for group in batch:
                 r = torch.tensor([reward(messages) for messages, _, _ in group])
@@ -200,7 +206,8 @@ def main() -> None:
     parser.add_argument("--make-model", action="store_true", help="write the tiny model to --model first")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--groups", type=int, default=6, help="GRPO groups (of 8 conversations) per step")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the questions' and the samples' seed: the same seed, the same run")
     args = parser.parse_args()
     if args.make_model:
         make_agent_model(args.model)
