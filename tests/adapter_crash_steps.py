@@ -7,7 +7,7 @@ imports what both need (torch, PEFT, transformers, vLLM, rollq: ~9 s of CPU), th
 process per line on its standard input and answers each on its standard output:
 
     {"run": ["trainer", STEP, REDIS_URL, POLICY, STORE, BASE, VERSION, SEED], "log": .., "tmpdir": ..}
-    {"run": ["worker", STEP, <rollq worker flags>], "log": .., "tmpdir": ..}  ->  pid N
+    {"run": ["worker", STEP or "serves", <rollq worker flags>], "log": .., "tmpdir": ..}  ->  pid N
     {"kill": N}  ->  killed N  (SIGKILL to its process group, vLLM's engine process too; reaped)
 
 A child prints `AT <step>` (flushed) to its log once the step is reached, then sleeps. The hooks
@@ -98,9 +98,18 @@ async def trainer(step: str, redis_url: str, policy: str, store: str, base: str,
 
 
 def worker(step: str, flags: list[str]) -> None:
+    import multiprocessing
+
+    from vllm.v1.engine import utils as engine_utils
+
     from rollq.cli import main
     from rollq.engine.vllm import VLLMEngine
     from rollq.worker import resident
+
+    # vLLM's CPU platform spawns its engine process, which imports torch and vLLM again (~7 s of
+    # CPU per worker); forked, it has them from `preload`, as vLLM's GPU build forks by default.
+    # How that process starts is not what this test is about: what a kill leaves is.
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
 
     if step == "pinned":
         resident.check_adapter_version = _before(resident.check_adapter_version, step)
@@ -113,6 +122,8 @@ def worker(step: str, flags: list[str]) -> None:
             await original(self, adapter)
             stop_here(step)
         VLLMEngine.add_adapter = add_adapter
+    elif step != "serves":  # the worker that is not killed
+        raise ValueError(f"no worker step {step!r}")
     sys.argv = ["rollq", "worker", *flags]
     main()
 
