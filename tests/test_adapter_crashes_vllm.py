@@ -2,9 +2,14 @@
 before they are durable"), killed at each step: the trainer (files written / renamed / registered
 / durable) and the worker (pinned / verified / added to the engine), each with SIGKILL in its own
 process. Then a worker serves every version that was registered, each checked token for token
-against transformers on its PEFT-merged model, and refuses the one whose bytes are torn (what a
-machine crash before the fsyncs may leave): no version served from bytes that were not verified,
-none lost once published."""
+against transformers on its PEFT-merged model, and refuses the two whose bytes are torn (what a
+machine crash before the fsyncs may leave: one file emptied, one whose tensor bytes read as
+zeros, which only the digest check catches): no version served from bytes that were not
+verified, none lost once published.
+
+Every process that is killed, and the worker that serves at the end, is forked from one that
+imported torch, PEFT, transformers and vLLM once (adapter_crash_steps.py): a kill costs what the
+step costs, not ~9 s of imports."""
 
 import asyncio
 import contextlib
