@@ -1,18 +1,30 @@
 """A trainer or a worker that stops at one step of the fast adapter path, says so, and waits to
 be killed (tests/test_adapter_crashes_vllm.py kills it there with SIGKILL).
 
-    python tests/adapter_crash_steps.py trainer STEP REDIS_URL POLICY STORE BASE VERSION SEED
-    python tests/adapter_crash_steps.py worker STEP -- <rollq worker flags>
+    python tests/adapter_crash_steps.py
 
-It prints `AT <step>` (flushed) once the step is reached, then sleeps. The hooks wrap the real
-functions and change nothing else: the bytes, the files and the registry are the real ones.
+imports what both need (torch, PEFT, transformers, vLLM, rollq: ~9 s of CPU), then forks one
+process per line on its standard input and answers each on its standard output:
+
+    {"run": ["trainer", STEP, REDIS_URL, POLICY, STORE, BASE, VERSION, SEED], "log": .., "tmpdir": ..}
+    {"run": ["worker", STEP or "serves", <rollq worker flags>], "log": .., "tmpdir": ..}  ->  pid N
+    {"kill": N}  ->  killed N  (SIGKILL to its process group, vLLM's engine process too; reaped)
+
+A child prints `AT <step>` (flushed) to its log once the step is reached, then sleeps. The hooks
+wrap the real functions and change nothing else: the bytes, the files and the registry are the
+real ones, and a worker is `rollq worker`'s own `main()`, which starts its own vLLM engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import peft  # noqa: F401  (before vLLM: importing it after vLLM's tokenizers is circular)
@@ -86,9 +98,18 @@ async def trainer(step: str, redis_url: str, policy: str, store: str, base: str,
 
 
 def worker(step: str, flags: list[str]) -> None:
+    import multiprocessing
+
+    from vllm.v1.engine import utils as engine_utils
+
     from rollq.cli import main
     from rollq.engine.vllm import VLLMEngine
     from rollq.worker import resident
+
+    # vLLM's CPU platform spawns its engine process, which imports torch and vLLM again (~7 s of
+    # CPU per worker); forked, it has them from `preload`, as vLLM's GPU build forks by default.
+    # How that process starts is not what this test is about: what a kill leaves is.
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
 
     if step == "pinned":
         resident.check_adapter_version = _before(resident.check_adapter_version, step)
@@ -101,14 +122,77 @@ def worker(step: str, flags: list[str]) -> None:
             await original(self, adapter)
             stop_here(step)
         VLLMEngine.add_adapter = add_adapter
+    elif step != "serves":  # the worker that is not killed
+        raise ValueError(f"no worker step {step!r}")
     sys.argv = ["rollq", "worker", *flags]
     main()
 
 
-if __name__ == "__main__":
-    role, step = sys.argv[1], sys.argv[2]
+def run(args: list[str]) -> None:
+    role, step = args[0], args[1]
     if role == "trainer":
-        url, policy, store, base, version, seed = sys.argv[3:9]
+        url, policy, store, base, version, seed = args[2:8]
         asyncio.run(trainer(step, url, policy, store, base, int(version), int(seed)))
     else:
-        worker(step, sys.argv[sys.argv.index("--") + 1:])
+        worker(step, args[2:])
+
+
+def preload() -> None:
+    """What the children would each import again: the trainer's torch, PEFT and transformers,
+    the worker's rollq and vLLM, and the modules vLLM's engine process imports after its fork.
+    Nothing here starts a thread or runs a torch op, so forking afterwards is safe."""
+    import transformers  # noqa: F401
+    import vllm.lora.worker_manager  # noqa: F401
+    import vllm.model_executor.models.llama  # noqa: F401
+    import vllm.v1.engine.async_llm  # noqa: F401
+    import vllm.v1.engine.core  # noqa: F401
+    import vllm.v1.executor.uniproc_executor  # noqa: F401
+    import vllm.v1.worker.cpu_model_runner  # noqa: F401
+    import vllm.v1.worker.cpu_worker  # noqa: F401
+
+    import rollq.cli  # noqa: F401
+    import rollq.client  # noqa: F401
+    import rollq.engine.vllm  # noqa: F401
+    import rollq.worker.resident  # noqa: F401
+
+
+def fork_child(args: list[str], log: str, tmpdir: str) -> int:
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # there once it is asked for
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid:
+        os.close(out)
+        return pid
+    try:
+        os.setsid()  # its own process group: the kill reaches the engine process it forks
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests are the parent's
+        # vLLM's IPC socket paths live in TMPDIR and may not pass 107 characters.
+        os.environ["TMPDIR"] = tmpdir
+        tempfile.tempdir = None
+        run(args)
+    except BaseException:  # noqa: BLE001 (a child never returns into the parent's loop)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def serve_forks() -> None:
+    preload()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "run" in request:
+            print(f"pid {fork_child(request['run'], request['log'], request['tmpdir'])}", flush=True)
+        else:
+            pid = request["kill"]
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            print(f"killed {pid}", flush=True)
+
+
+if __name__ == "__main__":
+    serve_forks()
