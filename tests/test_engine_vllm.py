@@ -11,6 +11,7 @@ import pytest
 from conftest import ENGINE_MAX_MODEL_LEN
 from helpers import collect, wait_until
 from models import greedy, token_logprobs
+import vllm_forkserver
 
 from rollq.engine.vllm import VLLMEngine
 from rollq.protocol import InvalidInput, Sampling, WorkItem, encode, encode_meta, pack_tokens
@@ -214,7 +215,8 @@ async def test_start_compiles_the_sampler_kernel_before_serving(tiny_model, tmp_
     cache = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # cold: nothing compiled yet
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)  # the other tests skip the build
-    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate())
+    with vllm_forkserver.spawned():  # torch reads TORCH_COMPILE_DISABLE at import
+        engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate())
     try:
         built = list(cache.rglob("*.so"))
         assert built, f"no kernel was compiled while the engine started ({cache})"

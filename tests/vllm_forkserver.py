@@ -1,0 +1,72 @@
+"""The tests' vLLM engine core processes, forked from a fork server instead of spawned.
+
+vLLM's CPU build spawns each engine's core process, which imports torch and vLLM again: ~7 s of
+CPU on every engine start, 10-15 s of wall on a loaded 2-core box, and the suite starts dozens.
+Here they come from a `multiprocessing` fork server that imported those once: a clean
+single-threaded process, so a child inherits no test's sockets, threads or locks (a fork of the
+test process itself would hand it the listening sockets of the test's gateways). Each child takes
+the environment of the process that started it, as a spawned one does; only what torch and vLLM
+read once at import (e.g. TORCH_COMPILE_DISABLE) is the fork server's: a test that changes such a
+variable starts its engine `spawned()`.
+
+rollq's own processes (`rollq worker` in the pool and fault tests) still spawn theirs: the product
+keeps vLLM's CPU default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.context
+import os
+
+PRELOAD = ["torch", "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor",
+           "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+           "vllm.model_executor.models.llama", "vllm.lora.worker_manager", __name__]
+"""What an engine core process imports before it serves (the fork server imports it once)."""
+
+
+class EngineProcess(multiprocessing.context.ForkServerProcess):
+    """A fork server's child that runs with its starter's environment, not the fork server's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.environ = dict(os.environ)
+
+    def run(self):
+        os.environ.clear()
+        os.environ.update(self.environ)
+        super().run()
+
+
+class ForkServerContext(multiprocessing.context.ForkServerContext):
+    Process = EngineProcess
+
+
+_FORKS = ForkServerContext()
+_spawned = False
+
+
+def _context():
+    return multiprocessing.get_context("spawn") if _spawned else _FORKS
+
+
+def install() -> None:
+    """vLLM's engine core processes, from now on in this process: forked from the fork server
+    (started at the first engine start)."""
+    import vllm.v1.engine.utils as engine_utils
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    engine_utils.get_mp_context = _context
+
+
+@contextlib.contextmanager
+def spawned():
+    """Engines started inside spawn their core process, as vLLM's CPU build does: for a test
+    that changes what torch or vLLM read at import."""
+    global _spawned
+    _spawned = True
+    try:
+        yield
+    finally:
+        _spawned = False
