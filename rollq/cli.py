@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -107,7 +108,13 @@ def worker(**flags) -> None:
                                                 "supported; use drain or interrupt")
     except InvalidInput as e:
         raise click.BadParameter(str(e)) from None
-    sys.exit(asyncio.run(_serve(settings, vllm_settings)))
+    code = asyncio.run(_serve(settings, vllm_settings))
+    # The engine is closed and the queue has what the worker held: what is left is the
+    # interpreter's teardown, whose cyclic collections walk every object vLLM and torch made
+    # (4-8 s of CPU on a loaded 2-core machine, measured with py-spy: gc_collect_main). Frozen
+    # objects are not walked, and the process's exit returns their memory at once.
+    gc.freeze()
+    sys.exit(code)
 
 
 def _parse_engine_args(pairs: tuple[str, ...]) -> dict:

@@ -203,7 +203,30 @@ def worker_process(redis_url: str, policy: str, model: Path, log_path: Path, cpu
     try:
         yield proc
     finally:
-        stop_child(proc, 60)  # its engine processes too
+        stop_worker(proc, log_path, 60)
+
+
+STOPPED = re.compile(r"worker \S+ stopped")
+"""The worker's last line of its own (loop.py): "stopped cleanly" or "stopped: engine failed"."""
+
+
+def stop_worker(proc: subprocess.Popen, log_path: Path, grace_s: float) -> None:
+    """SIGTERM, and once the worker logs that it stopped (what it held handed back, its heartbeat
+    removed), SIGKILL it and its engine processes. What is left by then is vLLM's teardown:
+    seconds of garbage collection in the engine core (which vLLM itself SIGKILLs after 5 s) and
+    in the worker, that the demo's next run or its report would wait for."""
+    if proc.poll() is None:
+        logged = log_path.stat().st_size
+        proc.terminate()
+        give_up = time.monotonic() + grace_s
+        while proc.poll() is None and time.monotonic() < give_up:
+            with open(log_path, errors="replace") as log:
+                log.seek(logged)
+                # The log's lines may be wrapped: whitespace runs count as one space.
+                if STOPPED.search(re.sub(r"\s+", " ", log.read())):
+                    break
+            time.sleep(0.05)
+    stop_child(proc, 0)  # its engine processes too
 
 
 def pin_session(leader: int, cpu: int) -> None:
