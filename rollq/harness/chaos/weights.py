@@ -374,6 +374,7 @@ def _summarize(run: _Run, seed: int, reached: bool, codes: list[int], alive: int
     reference, evidence = Reference(run.sets), []
     samples = segments = multi = mislabeled = nonfinite = 0
     statuses = Counter(r.status for r in run.results)
+    reference.prepare(r.prompt_ids + s.token_ids for r in run.results for s in r.samples)
     for r in run.results:
         if r.status != "ok":
             evidence.append(f"group {r.job_id}/{r.group_index}: {r.status} ({r.reason})")
@@ -385,9 +386,8 @@ def _summarize(run: _Run, seed: int, reached: bool, codes: list[int], alive: int
             wrong = reference.mislabels(r.prompt_ids, sample.token_ids, sample.versions)
             mislabeled += len(wrong)
             evidence += [f"group {r.job_id}/{r.group_index} on {r.worker_id}: {w}" for w in wrong]
-    distinguishable = sum(
-        len({reference.greedy(i, tuple(p), run.settings.max_tokens) for i in range(WEIGHT_SETS)})
-        == WEIGHT_SETS for p in PROMPTS)
+    continuations = [reference.greedy(i, PROMPTS, run.settings.max_tokens) for i in range(WEIGHT_SETS)]
+    distinguishable = sum(len(set(of_prompt)) == WEIGHT_SETS for of_prompt in zip(*continuations))
     lost = sorted(run.submitted - set(run.received))
     evidence += [f"lost {job}/{group}" for job, group in lost]
     return WeightSummary(
