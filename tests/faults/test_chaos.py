@@ -8,8 +8,10 @@ import sys
 
 def test_short_chaos_run_loses_and_doubles_nothing(tmp_path):
     out = tmp_path / "chaos.json"
+    # 24 s: the faults run until every kind has been dealt once (seed 7: ~25 s), the publisher
+    # for 24 s (a version every 5 s: 4, the asserts need 3).
     proc = subprocess.run(
-        [sys.executable, "-m", "rollq", "chaos", "--minutes", "0.5", "--seed", "7", "--json", str(out)],
+        [sys.executable, "-m", "rollq", "chaos", "--minutes", "0.4", "--seed", "7", "--json", str(out)],
         capture_output=True, text=True, timeout=420, env=os.environ | {"COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())

@@ -9,8 +9,10 @@ from pathlib import Path
 
 def test_short_episode_chaos_run_loses_doubles_and_strands_no_turn(tmp_path):
     out, workdir = tmp_path / "chaos.json", tmp_path / "run"
+    # One round of the six faults, each once: a round (its 15 s Redis outage included) outlasts
+    # 18 s, and the run finishes the round it is in.
     proc = subprocess.run(
-        [sys.executable, "-m", "rollq", "chaos", "--episodes", "--minutes", "0.5", "--seed", "7",
+        [sys.executable, "-m", "rollq", "chaos", "--episodes", "--minutes", "0.3", "--seed", "7",
          "--json", str(out), "--workdir", str(workdir)],
         capture_output=True, text=True, timeout=600, env=os.environ | {"COLUMNS": "200"})
     summary = json.loads(out.read_text())

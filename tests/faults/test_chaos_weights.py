@@ -17,8 +17,11 @@ def test_short_weight_chaos_run_loses_nothing_and_labels_every_token_right(tmp_p
     out = tmp_path / "chaos.json"
     env = os.environ | {"COLUMNS": "200"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # 12 s of faults (about two decks of the four; they go on until every kind has been dealt):
+    # with the engine loading the published files instead of its checked copy (issue 21's bug),
+    # 12 s found 85 mislabeled segments; 6 s (one `rewritten`, lost the race) found none.
     proc = subprocess.run(
-        [sys.executable, "-m", "rollq", "chaos", "--weights", "--minutes", "0.5", "--seed", "7",
+        [sys.executable, "-m", "rollq", "chaos", "--weights", "--minutes", "0.2", "--seed", "7",
          "--json", str(out)], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
@@ -31,7 +34,7 @@ def test_short_weight_chaos_run_loses_nothing_and_labels_every_token_right(tmp_p
     # Every kind of fault happened, and they bit: damaged versions were refused, the others
     # served (both workers swapped many times), and the followers still reached the last one.
     # Each kind dealt at least once publishes: storm 3, corrupted, rewritten, truncated 1 each;
-    # then the final version. (The paced run may deal each only once: CI saw exactly 7.)
+    # then the final version. (This short run may deal each only once: exactly 7.)
     assert set(FAULTS) <= set(s["faults"]) and s["versions_published"] >= 3 + 1 + 1 + 1 + 1
     assert sum(s["refusals"].values()) >= 1
     # What every worker must have served, however the races fell: the storm's last version (the

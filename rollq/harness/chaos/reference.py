@@ -8,7 +8,7 @@ every version is known without reading the files the chaos damages.
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -56,22 +56,54 @@ def _perturbed(base: dict, seed: int) -> dict:
 
 
 class Reference:
-    """Greedy continuations under each weight set, cached (prompts and prefixes repeat)."""
+    """What each weight set predicts at every position of a token sequence: the argmax of one
+    teacher-forced forward pass per (sequence, weight set), batched, cached per sequence.
 
-    def __init__(self, sets: WeightSets):
+    A segment tokens[start:end] of a sample is the greedy continuation under weights W of what
+    came before it iff W's argmax at each position before one of its tokens is that token, and
+    no token but its last is EOS (greedy decoding stops at EOS, as vLLM does). One pass checks
+    every segment of a sample, where `generate` needed one decode per (segment, weight set).
+    """
+
+    def __init__(self, sets: WeightSets, batch: int = 64):
         self.sets = sets
-        self.greedy = cache(self._greedy)
+        self.batch = batch
+        self.eos = sets.models[0].config.eos_token_id
+        self._argmax: dict[tuple[int, ...], torch.Tensor] = {}
+        """sequence -> [WEIGHT_SETS, len(sequence)]: each weight set's next token after each position."""
 
     @torch.no_grad()
-    def _greedy(self, index: int, prefix: tuple[int, ...], count: int) -> tuple[int, ...]:
-        """Like vLLM, it ends with EOS (included) when EOS is the argmax."""
-        if not count:
-            return ()
-        model = self.sets.models[index]
-        ids = torch.tensor([list(prefix)])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count,
-                             do_sample=False, pad_token_id=0, eos_token_id=model.config.eos_token_id)
-        return tuple(out[0, len(prefix):].tolist())
+    def prepare(self, sequences: Iterable[Sequence[int]]) -> None:
+        """The forward passes of every sequence not seen yet, in batches of equal length (no
+        padding: each position sees exactly the tokens before it)."""
+        by_length: dict[int, list[tuple[int, ...]]] = {}
+        for seq in dict.fromkeys(tuple(s) for s in sequences):
+            if seq and seq not in self._argmax:
+                by_length.setdefault(len(seq), []).append(seq)
+        for group in by_length.values():
+            for i in range(0, len(group), self.batch):
+                chunk = group[i:i + self.batch]
+                ids = torch.tensor(chunk)
+                per_set = torch.stack([self.sets.models[w](ids).logits.argmax(-1)
+                                       for w in range(WEIGHT_SETS)], dim=1)
+                self._argmax.update(zip(chunk, per_set))
+
+    def _predicted(self, sequence: tuple[int, ...]) -> torch.Tensor:
+        if sequence not in self._argmax:
+            self.prepare([sequence])
+        return self._argmax[sequence]
+
+    def continues(self, prompt: list[int], tokens: list[int], start: int, end: int) -> list[int]:
+        """The weight sets under which tokens[start:end] is the greedy continuation of
+        prompt + tokens[:start]."""
+        if start == end:
+            return list(range(WEIGHT_SETS))
+        if self.eos in tokens[start:end - 1]:  # greedy would have stopped there
+            return []
+        offset = len(prompt)
+        predicted = self._predicted(tuple(prompt + tokens))[:, offset + start - 1:offset + end - 1]
+        want = torch.tensor(tokens[start:end])
+        return [w for w in range(WEIGHT_SETS) if torch.equal(predicted[w], want)]
 
     def mislabels(self, prompt: list[int], tokens: list[int],
                   versions: list[tuple[int, int]]) -> list[str]:
@@ -81,11 +113,26 @@ class Reference:
         bounds = [start for _, start in versions[1:]] + [len(tokens)]
         wrong = []
         for (version, start), end in zip(versions, bounds):
-            prefix, got = tuple(prompt + tokens[:start]), tuple(tokens[start:end])
-            if got == self.greedy(weight_set(version), prefix, end - start):
+            matches = self.continues(prompt, tokens, start, end)
+            if weight_set(version) in matches:
                 continue
-            matches = [i for i in range(WEIGHT_SETS) if got == self.greedy(i, prefix, end - start)]
             wrong.append(f"prompt {prompt} segments {versions}: tokens [{start}:{end}] labelled "
                          f"version {version} (weight set {weight_set(version)}) equal the greedy "
-                         f"continuation of weight sets {matches}; tokens {list(got)}")
+                         f"continuation of weight sets {matches}; tokens {tokens[start:end]}")
         return wrong
+
+    @torch.no_grad()
+    def greedy(self, index: int, prompts: list[list[int]], count: int) -> list[tuple[int, ...]]:
+        """Each prompt's greedy continuation of up to `count` tokens under weight set `index`,
+        ending with EOS (included) when EOS is the argmax, as vLLM's does."""
+        model, out = self.sets.models[index], {}
+        by_length: dict[int, list[tuple[int, ...]]] = {}
+        for prompt in dict.fromkeys(tuple(p) for p in prompts):
+            by_length.setdefault(len(prompt), []).append(prompt)
+        for group in by_length.values():
+            ids = torch.tensor(group)  # equal lengths: no padding
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count,
+                                       do_sample=False, pad_token_id=0, eos_token_id=self.eos)
+            for prompt, row in zip(group, generated[:, ids.shape[1]:].tolist()):
+                out[prompt] = tuple(row[:row.index(self.eos) + 1] if self.eos in row else row)
+        return [out[tuple(p)] for p in prompts]

@@ -314,8 +314,12 @@ async def chaos(s: ChaosSettings) -> Summary:
             expected = {(job, g) for job, groups in run.acknowledged.items() for g in range(groups)}
             give_up = time.monotonic() + s.settle_s
             while not expected <= set(run.seen) and time.monotonic() < give_up:
-                await asyncio.sleep(0.5)
-            await asyncio.sleep(3.0)  # a duplicate would show up now
+                await asyncio.sleep(0.2)
+            # A duplicate would come from a worker or scorer still serving a group delivered
+            # already: once they have exited (finishing what they held) and the trainer has
+            # committed and acknowledged every result left, it is in the trainer's log.
+            await asyncio.to_thread(run.stop_workers)
+            await _results_acknowledged(client)
             done.set()
             await watching
             run.kill_trainer()
@@ -354,6 +358,14 @@ async def _scorers_offer(client: RolloutClient, scorers: int, timeout_s: float =
             return
         if time.monotonic() > give_up:
             raise RuntimeError(f"the chaos scorers did not come up in {timeout_s:g} s (scorer-*.log)")
+        await asyncio.sleep(0.1)
+
+
+async def _results_acknowledged(client: RolloutClient, within_s: float = 3.0) -> None:
+    """Until the trainer has acknowledged every result in its stream (it commits each to its log
+    first); at most the fixed wait this replaced (a group never committed counts as lost)."""
+    give_up = time.monotonic() + within_s
+    while await client.redis.xlen(client.keys.results("trainer")) and time.monotonic() < give_up:
         await asyncio.sleep(0.1)
 
 

@@ -1,8 +1,9 @@
 """`rollq chaos --weights`: weight faults against vLLM worker processes while a trainer submits
 greedy groups; then every sample is checked against the weights its version labels name.
 
-Faults, dealt from a shuffled deck (a run lasts until it has seen every kind), each 2-4 s after
-every worker has decided on the previous one (served or refused it):
+Faults, dealt from a shuffled deck (a run lasts until it has seen every kind), each 0-1 s after
+every worker has decided on the previous one (served or refused it) and delivered a group under
+the version it then serves:
 - `storm`: three versions published back to back (copied into the store), `keep=1`;
 - `corrupted`: a version published by reference (`copy=False`), then a byte of it flipped: half
   of the time with the workers frozen (SIGSTOP) until the damage is done, so each finds it and
@@ -174,11 +175,16 @@ async def _submitter(run: _Run, faults_done: asyncio.Event) -> None:
         run.submitted.update((job, g) for g in range(len(prompts)))
 
 
-async def _reader(run: _Run, done: asyncio.Event) -> None:
-    while not done.is_set():
-        for r in await run.client.take(64, timeout_s=0.5):
+async def _reader(run: _Run, workers_gone: asyncio.Event) -> None:
+    """Every result, until the workers have exited (nothing more can arrive) and it read them all."""
+    while True:
+        gone = workers_gone.is_set()
+        batch = await run.client.take(64, timeout_s=0.1 if gone else 0.5)
+        for r in batch:
             run.received[(r.job_id, r.group_index)] += 1
             run.results.append(r)
+        if gone and not batch:
+            break
     await run.client.ack()
 
 
@@ -266,9 +272,11 @@ async def _workers_frozen(run: _Run, frozen: bool):
 async def _faults(run: _Run, until: float, done: asyncio.Event) -> None:
     """Until the run's time is up and every kind of fault has been dealt at least once."""
     deck: list[str] = []
+    served_from = 0
     try:
         while time.monotonic() < until or set(FAULTS) - set(run.faults):
-            await asyncio.sleep(run.rng.uniform(2.0, 4.0))
+            await _served_under_each(run, served_from)
+            await asyncio.sleep(run.rng.uniform(0.0, 1.0))
             if not deck:
                 deck = list(FAULTS)
                 run.rng.shuffle(deck)
@@ -276,8 +284,23 @@ async def _faults(run: _Run, until: float, done: asyncio.Event) -> None:
             run.faults[kind] += 1
             await _fault(run, kind)
             await _settled(run, run.version)
+            served_from = len(run.results)
     finally:
         done.set()
+
+
+async def _served_under_each(run: _Run, served_from: int, within_s: float = 4.0) -> None:
+    """Until every worker has delivered a group (among `run.results[served_from:]`) whose last
+    segment is the version it serves now: each version a worker took is used before the next
+    fault. Bounded: a worker that serves nothing is for the final round to find."""
+    give_up = time.monotonic() + within_s
+    while time.monotonic() < give_up:
+        serving = {(w.worker_id, w.version) for w in await live_workers(run.client.redis, run.client.keys)}
+        served = {(r.worker_id, r.samples[0].versions[-1][0])
+                  for r in run.results[served_from:] if r.samples and r.samples[0].versions}
+        if serving and serving <= served:
+            return
+        await asyncio.sleep(0.1)
 
 
 _DECIDED = re.compile(r"now serving version (\d+)|version (\d+) refused|swap to version (\d+) failed")
@@ -320,19 +343,21 @@ async def _run(run: _Run, model: Path) -> tuple[bool, list[int], int]:
         await _wait_workers(run, time.monotonic() + s.start_s,
                             lambda states: len(states) == len(run.workers))
         console.print(f"chaos --weights: {s.workers} vLLM workers up; {s.minutes:g} min of faults")
-        done = asyncio.Event()
-        reading = asyncio.create_task(_reader(run, done))
+        workers_gone = asyncio.Event()
+        reading = asyncio.create_task(_reader(run, workers_gone))
         until = time.monotonic() + s.minutes * 60
         faults_done = asyncio.Event()
         await asyncio.gather(_submitter(run, faults_done), _faults(run, until, faults_done))
         reached = await _final_round(run)
         give_up = time.monotonic() + s.settle_s
         while not run.submitted <= set(run.received) and time.monotonic() < give_up:
-            await asyncio.sleep(0.5)
-        await asyncio.sleep(2.0)  # a duplicate would show up now
-        done.set()
-        await reading
+            await asyncio.sleep(0.2)
         alive = [proc.poll() is None for _, proc in run.workers]
+        # A duplicate would come from a worker still serving a group delivered already: once the
+        # workers have exited (finishing what they held), it is in the stream for the reader.
+        await asyncio.to_thread(run.stop_workers)
+        workers_gone.set()
+        await reading
     finally:
         codes = run.stop_workers()
     return reached and all(alive), codes, sum(alive)
@@ -374,6 +399,7 @@ def _summarize(run: _Run, seed: int, reached: bool, codes: list[int], alive: int
     reference, evidence = Reference(run.sets), []
     samples = segments = multi = mislabeled = nonfinite = 0
     statuses = Counter(r.status for r in run.results)
+    reference.prepare(r.prompt_ids + s.token_ids for r in run.results for s in r.samples)
     for r in run.results:
         if r.status != "ok":
             evidence.append(f"group {r.job_id}/{r.group_index}: {r.status} ({r.reason})")
@@ -385,9 +411,8 @@ def _summarize(run: _Run, seed: int, reached: bool, codes: list[int], alive: int
             wrong = reference.mislabels(r.prompt_ids, sample.token_ids, sample.versions)
             mislabeled += len(wrong)
             evidence += [f"group {r.job_id}/{r.group_index} on {r.worker_id}: {w}" for w in wrong]
-    distinguishable = sum(
-        len({reference.greedy(i, tuple(p), run.settings.max_tokens) for i in range(WEIGHT_SETS)})
-        == WEIGHT_SETS for p in PROMPTS)
+    continuations = [reference.greedy(i, PROMPTS, run.settings.max_tokens) for i in range(WEIGHT_SETS)]
+    distinguishable = sum(len(set(of_prompt)) == WEIGHT_SETS for of_prompt in zip(*continuations))
     lost = sorted(run.submitted - set(run.received))
     evidence += [f"lost {job}/{group}" for job, group in lost]
     return WeightSummary(
