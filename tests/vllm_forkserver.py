@@ -70,3 +70,22 @@ def spawned():
         yield
     finally:
         _spawned = False
+
+
+def run_api_server(argv: list[str]) -> None:
+    """vLLM's own OpenAI server (the tests' reference), its engine core process forked from the
+    server's process, which has imported torch and vLLM already: as vLLM's GPU build does."""
+    import runpy
+    import sys
+
+    import vllm.v1.engine.utils as engine_utils
+
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    sys.argv = ["vllm.entrypoints.openai.api_server", *argv]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    run_api_server(sys.argv[1:])

@@ -84,7 +84,8 @@ def _write_module_seconds(durations_file: str) -> None:
 
 
 class VLLMServer:
-    """`python -m vllm.entrypoints.openai.api_server` on a free loopback port, in its own session."""
+    """vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`, through
+    `vllm_forkserver.run_api_server`) on a free loopback port, in its own session."""
 
     def __init__(self, model: Path, log_path: Path, *args: str, max_model_len: int = 256):
         self.port = free_port()
@@ -92,7 +93,7 @@ class VLLMServer:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            [sys.executable, str(Path(__file__).with_name("vllm_forkserver.py")), "--model", str(model),
              "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(max_model_len),
              "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
              # rollq's workers accept a request's chat_template; vLLM only with this flag.
