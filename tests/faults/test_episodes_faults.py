@@ -1,15 +1,19 @@
 """Episodes through Redis faults: an outage longer than redis-py's retries (and the client's
-reconnect window) while the router applies a turn's result loses no turn."""
+reconnect window) while the router applies a turn's result loses no turn; one while a turn is
+being queued leaves it running no longer than the outage."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
 from helpers import wait_until
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from rollq.queue import jobs
-from rollq.queue.names import EpisodeState
+from rollq.queue.connection import connect
+from rollq.queue.names import EpisodeField, EpisodeState
 
 SAMPLING = {"max_tokens": 3}
 
@@ -42,6 +46,61 @@ async def test_redis_down_while_the_router_applies_a_turn_loses_nothing(durable_
     again = await episodes.turn(first.episode_id, [5])
     assert (await episodes.get(first.episode_id)).tokens[-len(again.tokens) - 1:] == [5, *again.tokens]
     await episodes.close()
+
+
+@pytest.mark.parametrize("lost", ["enqueue", "turn_reply"])
+async def test_a_turn_never_queued_in_an_outage_is_freed_once_redis_is_back(durable_redis, make_client,
+                                                                            make_worker, monkeypatch,
+                                                                            lost):
+    """Redis SIGKILLed after `episode_turn` made the branch `running` and before the turn's job
+    was queued (`enqueue`), or before that script's reply was read (`turn_reply`); the call fails
+    with a connection error, and so does the undo that would free the branch (Redis is still
+    down). Once Redis is back, the same object frees the branch with no further call of it
+    (a gateway's Episodes may get none: the trainer whose turn failed may only GET), and the
+    episode takes turns again. Before the fix the branch stayed `running` until a restart."""
+    make_worker(delay_s=0.1)
+    # Few retries of each command and none of the submit: the outage outlasts them at once.
+    redis = connect(durable_redis.url, retries=2)
+    client = make_client(redis=redis)
+    episodes = client.episodes(owner="o")
+    episodes._submitter.reconnect_s = 0.0
+    [first] = await episodes.start([1, 2], sampling=SAMPLING, episode_id="e1")
+    # The router's first ack loads its script: a restart between that load and its EVALSHA is
+    # another fault (redis-py reloads once), not this test's.
+    await wait_until(lambda: _acked(episodes._submitter), what="the start's result acknowledged")
+    if lost == "enqueue":
+        submit = episodes._submit
+
+        async def submit_after_redis_died(*args):
+            durable_redis.kill()
+            return await submit(*args)
+
+        monkeypatch.setattr(episodes, "_submit", submit_after_redis_died)
+    else:
+        begin = episodes.scripts.episode_turn
+
+        async def turn_whose_reply_is_lost(*args, **kwargs):
+            await begin(*args, **kwargs)
+            durable_redis.kill()
+            raise RedisConnectionError("Connection closed by server.")
+
+        monkeypatch.setattr(episodes.scripts, "episode_turn", turn_whose_reply_is_lost)
+    with pytest.raises(RedisConnectionError):
+        await episodes.turn(first.episode_id, [4])
+    monkeypatch.undo()
+    durable_redis.start()
+    key = episodes._key(first.episode_id)
+
+    async def freed() -> bool:
+        state, reason = await redis.hmget(key, EpisodeField.STATE, EpisodeField.REASON)
+        return state.decode() == EpisodeState.IDLE and reason.decode().startswith("not submitted")
+
+    await wait_until(freed, timeout_s=20, what="the unqueued turn freed once Redis is back")
+    again = await episodes.turn(first.episode_id, [5])
+    record = await episodes.get(first.episode_id)
+    assert record.tokens == [1, 2, *first.tokens, 5, *again.tokens] and record.turns == 2
+    await episodes.close()
+    await redis.aclose()
 
 
 def _back_after(server, down_s: float) -> None:
