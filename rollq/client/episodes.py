@@ -57,6 +57,7 @@ from rollq.protocol import (
     validate_n,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.engine.chat import CONTINUATION_BASE
@@ -78,6 +79,9 @@ OWNER_LEASE_S = 5.0
 """The owner lease (one live object per owner), renewed by the result router about every second:
 a killed holder's lapses after this long."""
 _NOT_SAMPLED = -1
+_OUTAGE = (RedisConnectionError, RedisTimeoutError, NoScriptError)
+"""What the router rides out and tries again: NOSCRIPT too, which redis-py raises when Redis
+restarted between its SCRIPT LOAD and the script's second call (the script did not run)."""
 """`token_versions` of a token the policy did not sample (prompt, tool output, user message)."""
 
 
@@ -494,7 +498,7 @@ class Episodes:
             # so the undo may fail too (or this task be cancelled again); the router then frees it
             # once Redis answers. The caller gets the submit's own error either way.
             self._unqueued[job_id] = (branches, f"not submitted: {e}")
-            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+            with contextlib.suppress(*_OUTAGE):
                 await self._free_unqueued(job_id)
             raise
         self._inflight.discard(job_id)
@@ -619,7 +623,7 @@ class Episodes:
                     done = unapplied.pop(0)
                     await self._submitter.ack([done])
                 backoff.reset()
-            except (RedisConnectionError, RedisTimeoutError) as e:
+            except _OUTAGE as e:
                 log.warning("episode results of %s: Redis unreachable (%s); retrying", self.owner, e)
                 self._submitter.replay()  # a lost reply may have carried results
                 await backoff.sleep()
@@ -633,7 +637,7 @@ class Episodes:
         branches, new_tokens, waiter = found
         try:
             applied = await self._apply(result.job_id, branches, new_tokens, result)
-        except (RedisConnectionError, RedisTimeoutError):
+        except _OUTAGE:
             raise
         except Exception as e:  # noqa: BLE001 (the caller sees it)
             self._waiting.pop(result.job_id, None)

@@ -14,6 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from rollq.queue import jobs
 from rollq.queue.connection import connect
 from rollq.queue.names import EpisodeField, EpisodeState
+from rollq.queue.scripts import source
 
 SAMPLING = {"max_tokens": 3}
 
@@ -101,6 +102,35 @@ async def test_a_turn_never_queued_in_an_outage_is_freed_once_redis_is_back(dura
     assert record.tokens == [1, 2, *first.tokens, 5, *again.tokens] and record.turns == 2
     await episodes.close()
     await redis.aclose()
+
+
+async def test_a_redis_restart_between_a_scripts_load_and_its_call_does_not_stop_the_router(
+        durable_redis, make_client, make_worker, monkeypatch):
+    """redis-py answers NOSCRIPT by loading the script and calling it once more; Redis restarted
+    between the two (its script cache empty again) makes that call raise NoScriptError. The
+    router takes it for the outage it is: the start's result is applied (its caller gets its
+    turns, not the error) and acknowledged, and the episode goes on. Before the fix the router
+    stopped with the error, failing its callers, and nothing applied results until a next call."""
+    make_worker(delay_s=0.3)
+    client = make_client()
+    episodes = client.episodes(owner="o")
+    load, apply, restarted = episodes.redis.script_load, source("episode_apply"), []
+
+    async def load_then_restart(script):
+        sha = await load(script)
+        if script == apply and not restarted:  # the router's first apply on this server
+            durable_redis.restart()
+            restarted.append(sha)
+        return sha
+
+    monkeypatch.setattr(episodes.redis, "script_load", load_then_restart)
+    [first] = await asyncio.wait_for(episodes.start([1, 2], sampling=SAMPLING, episode_id="e1"), 60)
+    assert restarted
+    await wait_until(lambda: _acked(episodes._submitter), what="the start's result acknowledged")
+    turn = await episodes.turn(first.episode_id, [4])
+    record = await episodes.get(first.episode_id)
+    assert record.tokens == [1, 2, *first.tokens, 4, *turn.tokens] and record.turns == 2
+    await episodes.close()
 
 
 def _back_after(server, down_s: float) -> None:
