@@ -57,6 +57,7 @@ from rollq.protocol import (
     validate_n,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollq.engine.chat import CONTINUATION_BASE
@@ -78,6 +79,9 @@ OWNER_LEASE_S = 5.0
 """The owner lease (one live object per owner), renewed by the result router about every second:
 a killed holder's lapses after this long."""
 _NOT_SAMPLED = -1
+_OUTAGE = (RedisConnectionError, RedisTimeoutError, NoScriptError)
+"""What the router rides out and tries again: NOSCRIPT too, which redis-py raises when Redis
+restarted between its SCRIPT LOAD and the script's second call (the script did not run)."""
 """`token_versions` of a token the policy did not sample (prompt, tool output, user message)."""
 
 
@@ -226,6 +230,10 @@ class Episodes:
         self._renewed = 0.0
         self._inflight: set[str] = set()
         """Turn jobs of this object between their episode_start/turn and their enqueue."""
+        self._unqueued: dict[str, tuple[list[str], str]] = {}
+        """Turn jobs whose record may be `running` but whose call failed before the job was
+        queued, and not yet freed (the undo failed too, or was cut short): job -> (branches,
+        reason). The router frees them once Redis answers, with no further call needed."""
         self._adopted = 0
 
     @property
@@ -361,8 +369,9 @@ class Episodes:
                 args=[self.trainer, encode(settings), lo, "" if hi is None else hi,
                       "" if staleness is None else staleness, int(move), ttl_s, job_id,
                       time.time(), *arrays, self._submitter.trainer_id], client=self.redis)
-        except BaseException:
+        except BaseException as e:  # its reply lost, the script may have run: free what it did
             self._inflight.discard(job_id)
+            self._unqueued[job_id] = (branches, f"not submitted: {e}")
             raise
         if _text(reply) == Reply.DUP:
             self._inflight.discard(job_id)
@@ -391,8 +400,9 @@ class Episodes:
                 keys=[key, self.keys.episodes, self.keys.episode_running(self._submitter.trainer_id)],
                 args=[self.trainer, job_id, self._submitter.trainer_id],
                 client=self.redis)
-        except BaseException:
+        except BaseException as e:  # its reply lost, the script may have run: free what it did
             self._inflight.discard(job_id)
+            self._unqueued[job_id] = ([episode_id], f"not submitted: {e}")
             raise
         word = Reply(_text(reply[0]))
         if word is not Reply.OK:
@@ -484,12 +494,12 @@ class Episodes:
         except BaseException as e:
             self._waiting.pop(job_id, None)
             self._inflight.discard(job_id)
-            # Freed only if the job is not queued (a lost reply may hide an enqueue that landed:
-            # then its result, adopted by the router, ends the turn).
-            await self.scripts.episode_unsubmitted(
-                keys=[self.keys.episodes, self.keys.job(self._submitter.trainer_id, job_id),
-                      *map(self._key, branches)], args=[job_id, f"not submitted: {e}"],
-                client=self.redis)
+            # Remembered before the undo is tried: the submit failed because Redis is unreachable,
+            # so the undo may fail too (or this task be cancelled again); the router then frees it
+            # once Redis answers. The caller gets the submit's own error either way.
+            self._unqueued[job_id] = (branches, f"not submitted: {e}")
+            with contextlib.suppress(*_OUTAGE):
+                await self._free_unqueued(job_id)
             raise
         self._inflight.discard(job_id)
         last = EpisodeField.LAST_TURN_JOB
@@ -510,6 +520,21 @@ class Episodes:
                                                     "discarded (the record is as end() returned it)")
         return [Turn(b, new_tokens, s, result.worker_id, s.versions[-1][0] if s.versions else 0)
                 for b, s in zip(branches, result.samples)]
+
+    async def _free_unqueued(self, job_id: str) -> None:
+        """Free a turn this object failed to queue (`_unqueued`). Only if no job record of it
+        exists: a lost reply may hide an enqueue that landed, and then its result, adopted by the
+        router, ends the turn."""
+        found = self._unqueued.get(job_id)
+        if found is None:  # freed meanwhile (the failed call's own try, or the router's)
+            return
+        branches, reason = found
+        if job_id not in self._waiting and job_id not in self._inflight:  # else sent again (its
+            # turn_id) and that call owns it now
+            await self.scripts.episode_unsubmitted(
+                keys=[self.keys.episodes, self.keys.job(self._submitter.trainer_id, job_id),
+                      *map(self._key, branches)], args=[job_id, reason], client=self.redis)
+        self._unqueued.pop(job_id, None)
 
     async def _submit(self, job_id: str, prompt: list[int], n: int, settings: Sampling, window,
                       deadline_s: float | None, route: str | None) -> None:
@@ -580,13 +605,15 @@ class Episodes:
                 if time.monotonic() - self._renewed >= self.owner_lease_s / 5 and not await self._hold():
                     raise EpisodeError("", "owner", f"owner {self.owner!r} was taken over while "
                                        "Redis was unreachable longer than its lease; this object stops")
+                for job_id in list(self._unqueued):  # Redis answers again: free what it stranded
+                    await self._free_unqueued(job_id)
                 if not unapplied:
                     unapplied = await self._submitter.arrived(max_count=64, block_s=0.5, ack="manual")
-                if unapplied or self._waiting or self._inflight:
+                if unapplied or self._waiting or self._inflight or self._unqueued:
                     busy = time.monotonic()
                 elif time.monotonic() - busy >= self.owner_lease_s and not await jobs.outstanding(
                         self.redis, self.keys, self._submitter.trainer_id) \
-                        and not self._waiting and not self._inflight:
+                        and not self._waiting and not self._inflight and not self._unqueued:
                     # Idle (nothing waits, nothing of this owner's is out): stop, and let the lease
                     # lapse (no await after this check: a call now restarts the router, re-taking
                     # the lease). An idle object costs Redis nothing.
@@ -596,7 +623,7 @@ class Episodes:
                     done = unapplied.pop(0)
                     await self._submitter.ack([done])
                 backoff.reset()
-            except (RedisConnectionError, RedisTimeoutError) as e:
+            except _OUTAGE as e:
                 log.warning("episode results of %s: Redis unreachable (%s); retrying", self.owner, e)
                 self._submitter.replay()  # a lost reply may have carried results
                 await backoff.sleep()
@@ -610,7 +637,7 @@ class Episodes:
         branches, new_tokens, waiter = found
         try:
             applied = await self._apply(result.job_id, branches, new_tokens, result)
-        except (RedisConnectionError, RedisTimeoutError):
+        except _OUTAGE:
             raise
         except Exception as e:  # noqa: BLE001 (the caller sees it)
             self._waiting.pop(result.job_id, None)

@@ -1,15 +1,20 @@
 """Episodes through Redis faults: an outage longer than redis-py's retries (and the client's
-reconnect window) while the router applies a turn's result loses no turn."""
+reconnect window) while the router applies a turn's result loses no turn; one while a turn is
+being queued leaves it running no longer than the outage."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
 from helpers import wait_until
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from rollq.queue import jobs
-from rollq.queue.names import EpisodeState
+from rollq.queue.connection import connect
+from rollq.queue.names import EpisodeField, EpisodeState
+from rollq.queue.scripts import source
 
 SAMPLING = {"max_tokens": 3}
 
@@ -41,6 +46,90 @@ async def test_redis_down_while_the_router_applies_a_turn_loses_nothing(durable_
     await wait_until(lambda: _acked(sub), what="the result acknowledged (after it was applied)")
     again = await episodes.turn(first.episode_id, [5])
     assert (await episodes.get(first.episode_id)).tokens[-len(again.tokens) - 1:] == [5, *again.tokens]
+    await episodes.close()
+
+
+@pytest.mark.parametrize("lost", ["enqueue", "turn_reply"])
+async def test_a_turn_never_queued_in_an_outage_is_freed_once_redis_is_back(durable_redis, make_client,
+                                                                            make_worker, monkeypatch,
+                                                                            lost):
+    """Redis SIGKILLed after `episode_turn` made the branch `running` and before the turn's job
+    was queued (`enqueue`), or before that script's reply was read (`turn_reply`); the call fails
+    with a connection error, and so does the undo that would free the branch (Redis is still
+    down). Once Redis is back, the same object frees the branch with no further call of it
+    (a gateway's Episodes may get none: the trainer whose turn failed may only GET), and the
+    episode takes turns again. Before the fix the branch stayed `running` until a restart."""
+    make_worker(delay_s=0.1)
+    # Few retries of each command and none of the submit: the outage outlasts them at once.
+    redis = connect(durable_redis.url, retries=2)
+    client = make_client(redis=redis)
+    episodes = client.episodes(owner="o")
+    episodes._submitter.reconnect_s = 0.0
+    [first] = await episodes.start([1, 2], sampling=SAMPLING, episode_id="e1")
+    # The router's first ack loads its script: a restart between that load and its EVALSHA is
+    # another fault (redis-py reloads once), not this test's.
+    await wait_until(lambda: _acked(episodes._submitter), what="the start's result acknowledged")
+    if lost == "enqueue":
+        submit = episodes._submit
+
+        async def submit_after_redis_died(*args):
+            durable_redis.kill()
+            return await submit(*args)
+
+        monkeypatch.setattr(episodes, "_submit", submit_after_redis_died)
+    else:
+        begin = episodes.scripts.episode_turn
+
+        async def turn_whose_reply_is_lost(*args, **kwargs):
+            await begin(*args, **kwargs)
+            durable_redis.kill()
+            raise RedisConnectionError("Connection closed by server.")
+
+        monkeypatch.setattr(episodes.scripts, "episode_turn", turn_whose_reply_is_lost)
+    with pytest.raises(RedisConnectionError):
+        await episodes.turn(first.episode_id, [4])
+    monkeypatch.undo()
+    durable_redis.start()
+    key = episodes._key(first.episode_id)
+
+    async def freed() -> bool:
+        state, reason = await redis.hmget(key, EpisodeField.STATE, EpisodeField.REASON)
+        return state.decode() == EpisodeState.IDLE and reason.decode().startswith("not submitted")
+
+    await wait_until(freed, timeout_s=20, what="the unqueued turn freed once Redis is back")
+    again = await episodes.turn(first.episode_id, [5])
+    record = await episodes.get(first.episode_id)
+    assert record.tokens == [1, 2, *first.tokens, 5, *again.tokens] and record.turns == 2
+    await episodes.close()
+    await redis.aclose()
+
+
+async def test_a_redis_restart_between_a_scripts_load_and_its_call_does_not_stop_the_router(
+        durable_redis, make_client, make_worker, monkeypatch):
+    """redis-py answers NOSCRIPT by loading the script and calling it once more; Redis restarted
+    between the two (its script cache empty again) makes that call raise NoScriptError. The
+    router takes it for the outage it is: the start's result is applied (its caller gets its
+    turns, not the error) and acknowledged, and the episode goes on. Before the fix the router
+    stopped with the error, failing its callers, and nothing applied results until a next call."""
+    make_worker(delay_s=0.3)
+    client = make_client()
+    episodes = client.episodes(owner="o")
+    load, apply, restarted = episodes.redis.script_load, source("episode_apply"), []
+
+    async def load_then_restart(script):
+        sha = await load(script)
+        if script == apply and not restarted:  # the router's first apply on this server
+            durable_redis.restart()
+            restarted.append(sha)
+        return sha
+
+    monkeypatch.setattr(episodes.redis, "script_load", load_then_restart)
+    [first] = await asyncio.wait_for(episodes.start([1, 2], sampling=SAMPLING, episode_id="e1"), 60)
+    assert restarted
+    await wait_until(lambda: _acked(episodes._submitter), what="the start's result acknowledged")
+    turn = await episodes.turn(first.episode_id, [4])
+    record = await episodes.get(first.episode_id)
+    assert record.tokens == [1, 2, *first.tokens, 4, *turn.tokens] and record.turns == 2
     await episodes.close()
 
 
