@@ -58,6 +58,24 @@ def install() -> None:
 
     multiprocessing.set_forkserver_preload(PRELOAD)
     engine_utils.get_mp_context = _context
+    _tolerate_reaped_children()
+
+
+def _tolerate_reaped_children() -> None:
+    """A fork server reaps its child the moment it exits, where vLLM's own spawned child stays a
+    zombie until vLLM joins it. So an engine core that exits between vLLM's `is_alive()` and its
+    `kill_process_tree` is gone, not a zombie, and `psutil`'s `children()` raises NoSuchProcess
+    out of vLLM's shutdown (CI, 2026-12-06, a test's engine close). Gone is what the kill wants."""
+    import psutil
+    import vllm.v1.utils as v1_utils
+
+    kill_process_tree = v1_utils.kill_process_tree
+
+    def kill_unless_gone(pid: int) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            kill_process_tree(pid)
+
+    v1_utils.kill_process_tree = kill_unless_gone
 
 
 @contextlib.contextmanager
