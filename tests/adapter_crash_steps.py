@@ -98,9 +98,7 @@ async def trainer(step: str, redis_url: str, policy: str, store: str, base: str,
 
 
 def worker(step: str, flags: list[str]) -> None:
-    import multiprocessing
-
-    from vllm.v1.engine import utils as engine_utils
+    from vllm_forkserver import fork_engine_cores
 
     from rollq.cli import main
     from rollq.engine.vllm import VLLMEngine
@@ -109,7 +107,7 @@ def worker(step: str, flags: list[str]) -> None:
     # vLLM's CPU platform spawns its engine process, which imports torch and vLLM again (~7 s of
     # CPU per worker); forked, it has them from `preload`, as vLLM's GPU build forks by default.
     # How that process starts is not what this test is about: what a kill leaves is.
-    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    fork_engine_cores()
 
     if step == "pinned":
         resident.check_adapter_version = _before(resident.check_adapter_version, step)

@@ -23,7 +23,7 @@ from rollq.queue.connection import connect
 from rollq.worker.build import build_worker
 from rollq.worker.loop import Worker
 from rollq.children import stop_child
-from vllm_servers import SHARED, SHARED_FIXTURES, ModuleGroups
+from vllm_servers import SHARED, SHARED_FIXTURES, ModuleGroups, module_seconds
 from vllm_servers import chat_engine, chat_model, chat_server, hermes_engine, tool_model  # noqa: F401
 
 
@@ -81,12 +81,9 @@ def pytest_unconfigure(config):
     tr.write_sep("=", f"{min(SLOWEST, len(durations))} slowest tests (setup + call + teardown)")
     for nodeid, seconds in sorted(durations.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         tr.write_line(f"{seconds:8.1f} s  {nodeid}")
-    modules: dict[str, float] = {}
-    for nodeid, seconds in durations.items():
-        module = nodeid.split("::")[0]
-        modules[module] = modules.get(module, 0.0) + seconds
+    modules = module_seconds(durations)
     tr.write_sep("=", f"{min(SLOWEST_MODULES, len(modules))} slowest modules (their tests' sum)")
-    for module, seconds in sorted(modules.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]:
+    for module, seconds in list(modules.items())[:SLOWEST_MODULES]:
         tr.write_line(f"{seconds:8.1f} s  {module}")
     tr.write_line(f"total: {len(durations)} tests, {sum(durations.values()):.1f} s in tests, "
                   f"{time.time() - began:.1f} s in all")

@@ -90,15 +90,22 @@ def spawned():
         _spawned = False
 
 
+def fork_engine_cores() -> None:
+    """vLLM's engine core processes started from now on in this process are forked from it (it
+    has imported torch and vLLM already), as vLLM's GPU build does, not spawned: for a process
+    that starts one engine and opened nothing a child must not inherit before it."""
+    import vllm.v1.engine.utils as engine_utils
+
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+
+
 def run_api_server(argv: list[str]) -> None:
     """vLLM's own OpenAI server (the tests' reference), its engine core process forked from the
     server's process, which has imported torch and vLLM already: as vLLM's GPU build does."""
     import runpy
     import sys
 
-    import vllm.v1.engine.utils as engine_utils
-
-    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    fork_engine_cores()
     sys.argv = ["vllm.entrypoints.openai.api_server", *argv]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 

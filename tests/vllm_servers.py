@@ -74,13 +74,19 @@ class ModuleGroups(LoadScopeScheduling):
         super()._assign_work_unit(node)
 
 
-def _write_module_seconds(durations_file: str) -> None:
+def module_seconds(durations: dict[str, float]) -> dict[str, float]:
+    """Each test module's tests summed, longest first (the scheduler's order, the log's table)."""
     modules: dict[str, float] = {}
-    for nodeid, seconds in json.loads(Path(durations_file).read_text())["durations"].items():
+    for nodeid, seconds in durations.items():
         module = nodeid.split("::", 1)[0]
-        modules[module] = round(modules.get(module, 0.0) + seconds, 1)
-    MODULE_SECONDS.write_text(json.dumps(dict(sorted(modules.items(), key=lambda kv: -kv[1])),
-                                         indent=0) + "\n")
+        modules[module] = modules.get(module, 0.0) + seconds
+    return dict(sorted(modules.items(), key=lambda kv: -kv[1]))
+
+
+def _write_module_seconds(durations_file: str) -> None:
+    durations = json.loads(Path(durations_file).read_text())["durations"]
+    rounded = {module: round(seconds, 1) for module, seconds in module_seconds(durations).items()}
+    MODULE_SECONDS.write_text(json.dumps(rounded, indent=0) + "\n")
 
 
 class VLLMServer:
