@@ -302,6 +302,47 @@ def test_adapter_of_is_peft_state_dict_reading_the_base_config_once(tiny_model, 
     assert len(reads) == 1
 
 
+def test_adapter_of_reads_the_adapters_tensors_as_they_are_now(tiny_model, monkeypatch):
+    """After a model's first publish, its adapter's tensors are read from the modules that hold
+    them, not through PEFT's whole-model state dict: still exactly what PEFT would give after
+    an optimizer step (in place), a parameter replaced, a LoRA module replaced, and a config
+    changed (other target modules: PEFT is asked again)."""
+    import peft
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import LlamaForCausalLM
+
+    from rollq.registry import sources
+
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    asked = []
+    monkeypatch.setattr(peft, "get_peft_model_state_dict",
+                        lambda *a, **kw: asked.append(1) or get_peft_model_state_dict(*a, **kw))
+
+    def same_as_peft() -> None:
+        tensors, _ = sources.adapter_of(model)
+        expected = get_peft_model_state_dict(model)
+        assert tensors.keys() == expected.keys()
+        assert all(torch.equal(tensors[k], expected[k]) for k in expected)
+
+    same_as_peft()  # the first publish: PEFT's, both ways
+    first = len(asked)
+    assert first == 2
+    lora_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"]
+    with torch.no_grad():
+        lora_a.weight.add_(1.0)  # an optimizer step
+    same_as_peft()
+    lora_a.weight = torch.nn.Parameter(torch.randn_like(lora_a.weight))  # a parameter replaced
+    same_as_peft()
+    layer = model.base_model.model.model.layers[1].self_attn.v_proj
+    layer.lora_B["default"] = torch.nn.Linear(4, layer.lora_B["default"].out_features, bias=False)
+    same_as_peft()  # a module replaced
+    assert len(asked) == first  # none of those asked PEFT
+    model.peft_config["default"].target_modules = {"q_proj"}  # a config changed: PEFT again
+    same_as_peft()
+    assert len(asked) == first + 2
+
+
 async def test_versions_registered_with_sha256_still_verify(make_publisher, weights_dir):
     """Entries written before BLAKE3 have three fields and no algorithm: they mean sha256, and
     the worker's and store's checks still catch a change in their files."""

@@ -12,6 +12,7 @@ module, adapter tensors (`lora_*`) are dropped. Published as an adapter version 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -123,26 +124,56 @@ def gathered(source: Any) -> dict[str, Any] | None:
     return saveable(clean_peft_names(out)) if keep else None
 
 
-_EMBEDDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""PEFT model -> {(adapter, vocab size, base model): whether its state dict holds embeddings}."""
+_ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""PEFT model -> {(adapter, vocab size, base model): where each tensor of its state dict lives}."""
 
 
 def _adapter_tensors(model: Any, name: str) -> dict[str, Any]:
-    """PEFT's state dict of adapter `name`, its "auto" choice of saving embeddings remembered:
-    "auto" reads the base model's config again on every call (from its directory, or a request
-    to the Hub) to see whether the vocabulary was resized, 1.3-1.8 ms of the call here (more
-    under load). The first call for a model asks PEFT both ways to learn its choice."""
+    """PEFT's state dict of adapter `name`. PEFT builds it from the whole model's `state_dict()`
+    and reads the base model's config again to decide on embeddings, on every call: 4-6 ms
+    quiet and 10-65 ms beside busy loops here, the largest part of an adapter's path to
+    serving. So the first call asks PEFT (both ways, to learn its embedding choice) and notes
+    which module attribute holds each tensor it returned; later calls read those attributes,
+    by module path, so a parameter or module replaced since is read as it is now (PEFT's own
+    state dict returns the same tensors). A tensor not found as exactly one parameter or buffer
+    (PEFT computed it) keeps PEFT on every call."""
     from peft import get_peft_model_state_dict
 
+    # The adapter's config in the key: an adapter changed (other modules, rank) is asked anew.
     key = (name, getattr(getattr(model, "config", None), "vocab_size", None),
-           getattr(model.peft_config[name], "base_model_name_or_path", None))
-    known = _EMBEDDINGS.setdefault(model, {})
+           repr(model.peft_config[name]))
+    known = _ADAPTERS.setdefault(model, {})
     if key in known:
-        return get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=known[key])
+        embeddings, where = known[key]
+        if where is not None:
+            with contextlib.suppress(AttributeError):  # a module gone: PEFT is asked anew
+                return {saved: getattr(model.get_submodule(module), attr)
+                        for saved, (module, attr) in where.items()}
+            del known[key]
+            return _adapter_tensors(model, name)
+        return get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=embeddings)
     auto = get_peft_model_state_dict(model, adapter_name=name)
-    known[key] = bool(auto.keys() - get_peft_model_state_dict(
+    embeddings = bool(auto.keys() - get_peft_model_state_dict(
         model, adapter_name=name, save_embedding_layers=False).keys())
+    known[key] = (embeddings, _where(model, auto))
     return auto
+
+
+def _where(model: Any, tensors: dict[str, Any]) -> dict[str, tuple[str, str]] | None:
+    """Each tensor's (module path, attribute) in `model`, found by its storage, shape and
+    strides; None when one is not exactly one parameter or buffer of the model."""
+    holders: dict[tuple, list[tuple[str, str]]] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for full, t in named:
+        module, _, attr = full.rpartition(".")
+        holders.setdefault((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype), []).append((module, attr))
+    where = {}
+    for saved, t in tensors.items():
+        found = holders.get((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype), [])
+        if len(found) != 1:
+            return None
+        where[saved] = found[0]
+    return where
 
 
 def adapter_of(model: Any) -> tuple[dict[str, Any], bytes]:

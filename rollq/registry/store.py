@@ -42,9 +42,17 @@ def digest_file(path: Path, algorithm: str = DIGEST) -> str:
         return _digest_of(f, algorithm)
 
 
-def _hasher(algorithm: str):
-    if algorithm == "blake3":
-        return blake3.blake3(max_threads=blake3.blake3.AUTO)  # releases the GIL as it hashes
+_THREADED_FROM = 16 << 20
+"""Bytes from which BLAKE3 hashes on all cores. Below (an adapter, a config) one thread does it
+in place: BLAKE3's threads are a pool the call hands its work to and waits on, and on busy cores
+that hand-off cost more than the hash (a 3.7 MB adapter: ~1 ms on one thread; with the pool,
+its store step took 40-120 ms beside three busy loops on the 2 cores here, 7 ms quiet)."""
+
+
+def _hasher(algorithm: str, size: int):
+    """A hasher for `size` bytes (BLAKE3 on all cores from `_THREADED_FROM` on)."""
+    if algorithm == "blake3":  # releases the GIL as it hashes
+        return blake3.blake3(max_threads=blake3.blake3.AUTO if size >= _THREADED_FROM else 1)
     if algorithm == "sha256":
         return hashlib.sha256()
     raise WeightError(f"unknown digest algorithm {algorithm!r} (blake3 or sha256)")
@@ -52,9 +60,10 @@ def _hasher(algorithm: str):
 
 def _digest_of(f, algorithm: str) -> str:
     """Hash an open file from its start, through one reused buffer (no chunk copies)."""
-    digest = _hasher(algorithm)
+    size = os.fstat(f.fileno()).st_size
+    digest = _hasher(algorithm, size)
     f.seek(0)
-    buffer = bytearray(_CHUNK)
+    buffer = bytearray(min(_CHUNK, size + 1))  # (a config's: not 8 MiB zeroed for 1 kB)
     view = memoryview(buffer)
     while n := f.readinto(buffer):
         digest.update(view[:n])
@@ -68,7 +77,7 @@ def check_digest(f, expected: FileDigest) -> None:
 
 def check_digest_of(data: memoryview, expected: FileDigest) -> None:
     """Bytes in memory hash to the registered digest, or WeightError."""
-    digest = _hasher(expected.algorithm)
+    digest = _hasher(expected.algorithm, len(data))
     digest.update(data)
     _compare(digest.hexdigest(), expected)
 
@@ -80,18 +89,29 @@ def _compare(actual: str, expected: FileDigest) -> None:
 
 
 def _digest_bytes(data: memoryview) -> str:
-    return blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+    digest = _hasher(DIGEST, len(data))
+    digest.update(data)
+    return digest.hexdigest()
 
 
 def _write_hashed(target: Path, data: memoryview) -> FileDigest:
-    """Write `data` to a new file while another thread hashes it (BLAKE3 releases the GIL)."""
+    """Write `data` to a new file while another thread hashes it (BLAKE3 releases the GIL);
+    small data is hashed first in this thread (a thread hand-off costs more than its hash)."""
+    if len(data) < _THREADED_FROM:
+        digest = _digest_bytes(data)
+        _write_new(target, data)
+        return FileDigest(target.name, digest, len(data), DIGEST)
     with ThreadPoolExecutor(1) as pool:
         hashing = pool.submit(_digest_bytes, data)
-        with open(target, "xb", buffering=0) as f:
-            written = 0
-            while written < len(data):  # a raw write may take less than it was given
-                written += f.write(data[written:written + _CHUNK])
+        _write_new(target, data)
         return FileDigest(target.name, hashing.result(), len(data), DIGEST)
+
+
+def _write_new(target: Path, data: memoryview) -> None:
+    with open(target, "xb", buffering=0) as f:
+        written = 0
+        while written < len(data):  # a raw write may take less than it was given
+            written += f.write(data[written:written + _CHUNK])
 
 
 def _checked(files: list[Path], digests: list[FileDigest]) -> list[FileDigest]:
