@@ -35,9 +35,11 @@ figure the <= 50 ms target is judged on; the raw one is reported beside it. `pub
 generating` (end to end less the probe's generation time as the worker measured it) is kept too.
 
 The raw read is the same files read once, sequentially, just before each publish: warm (from
-the page cache, as the swap finds them) and cold (page cache dropped first: storage bandwidth;
-needs root). Reported: end to end, each phase, and the effective bandwidth (checkpoint bytes /
-end to end) as a fraction of each raw read's; and the **engine floor**, per publish: its cold
+the page cache, as the swap finds them) and cold (the files' pages evicted first,
+`POSIX_FADV_DONTNEED`: storage bandwidth). Each publish starts once the disk is settled
+(`settle`); the first `WARM_UP` publishes of each mode are not measured. Reported: end to
+end, each phase, and the effective bandwidth (checkpoint bytes / end to end) as a fraction of
+each raw read's; and the **engine floor**, per publish: its cold
 read plus the worker's `load` phase of the same swap (vLLM's `reload_weights` of the snapshot,
 its probe token), what any swap through vLLM pays at least, with publish -> serving / floor
 (median of the per-publish ratios; target <= 1.3).
@@ -70,19 +72,29 @@ MODEL = dict(hidden=1024, layers=8, vocab=8192, intermediate=2816)
 POLICY = "swap"
 ADAPTER_POLICY = "swap-lora"
 ADAPTER_RANK = 16
+WARM_UP = 3
+"""Publishes of each mode not measured: a trainer publishes every step, so the steady state is
+what counts, where the store and the worker each hold a spare to write the next version over (a
+retired version: `keep=2` retires a mode's first publish once its third is written, so its
+fourth is the first written over a spare)."""
 MEMORY = "state_dict, wait=False"
 """The trainer publishes its tensors and goes on: `trainer stall` is how long the call held it."""
 
 
-def raw_read(files: list[Path], *, cold: bool = False) -> float | None:
-    """Seconds to read the files once, sequentially; `cold`: from storage (page cache dropped
-    first, which needs root; None when not allowed)."""
+def raw_read(files: list[Path], *, cold: bool = False) -> float:
+    """Seconds to read the files once, sequentially; `cold`: from storage, these files' pages
+    evicted from the page cache first (and only theirs: dropping every cache, as this bench did
+    until 2026-12-06, also evicted the worker's spare snapshot, the store's files and every
+    process's code, so the swap measured next paid for the floor's measurement; the cold read
+    itself is the same, 0.161-0.173 s both ways for this checkpoint)."""
     if cold:
-        os.sync()
-        try:
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        except OSError:
-            return None
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)  # (dirty pages are not evicted)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
     began = time.perf_counter()
     for f in files:
         with open(f, "rb", buffering=0) as fh:
@@ -129,8 +141,29 @@ async def announced(client: RolloutClient, after: str) -> None:
         pass
 
 
+def settle(directory: Path, quiet_s: float = 0.2, timeout_s: float = 30) -> None:
+    """Write back what is dirty, then wait until the disk under `directory` has had nothing in
+    flight for `quiet_s`: each publish starts from a settled disk. (This machine's root ext4 is
+    mounted with `discard`: deleting a checkpoint, as the last run's clean-up or a `keep` does,
+    trims its blocks for seconds after, and reads, writes and fsyncs queued behind those trims
+    made single publishes 2-4x slower.)"""
+    os.sync()
+    dev = os.stat(directory).st_dev
+    inflight = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/inflight")
+    if not inflight.exists():
+        return
+    quiet_since, give_up = time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        if any(int(n) for n in inflight.read_text().split()):
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return
+        time.sleep(0.01)
+
+
 async def swap_once(client: RolloutClient, version: int, source: Path, mode: str) -> dict:
     files = sorted(source.glob("*.safetensors"))
+    settle(source)
     raw_cold = raw_read(files, cold=True)  # first: it leaves the files in the page cache
     raw_warm = raw_read(files)
     phases = {}
@@ -228,6 +261,7 @@ async def adapter_once(client: RolloutClient, version: int, adapter) -> dict:
     """Publish an adapter, probe it (raw: publish -> first token), then probe it again now that
     it is resident: the same group on the same engine a moment later, whose latency is what the
     first probe would have taken had the adapter been servable when the publish began."""
+    settle(Path(tempfile.gettempdir()))
     after = await last_event(client)
     began = time.perf_counter()
     # wait=False and the probe once the version is announced (see `swap_once`).
@@ -299,9 +333,11 @@ async def full_runs(redis_url: str, tmp: Path, checkpoints: list[Path],
             await wait_worker(client, worker)
             version = 0
             for mode, runs in modes.items():
-                for _ in range(repeats):
+                for i in range(WARM_UP + repeats):
                     version += 1
-                    runs.append(await swap_once(client, version, checkpoints[version % 2], mode))
+                    run = await swap_once(client, version, checkpoints[version % 2], mode)
+                    if i >= WARM_UP:
+                        runs.append(run)
     finally:
         stop_process(worker)
 
