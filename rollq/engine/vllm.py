@@ -468,7 +468,7 @@ class VLLMEngine:
                 # clear_cache=False: clearing would preempt the frozen requests and drop their KV
                 # (vLLM's scheduler reset_prefix_cache(reset_running_requests=True)), which their
                 # resume would then recompute with the new weights.
-                await llm.pause_generation(mode="keep", clear_cache=False)
+                await self._pause("keep", clear_cache=False)
                 lap("pause")
                 await self._load_kept(version, path)
                 lap("load")
@@ -500,14 +500,37 @@ class VLLMEngine:
         of tests/test_swap_labels_vllm.py, dumped from the worker), and the restored weights' probe
         then read them from the same block: the engine was lost. Resuming lets vLLM schedule such
         a request on the old weights, and the next pause drains it."""
-        await self.llm.pause_generation(mode=mode, clear_cache=True)
+        await self._pause(mode, clear_cache=True)
         for _ in range(100):  # each round schedules what was queued: one is all it takes
-            if not self.llm.output_processor.has_unfinished_requests():
-                return
-            await self.llm.resume_generation()
-            await self.llm.pause_generation(mode=mode, clear_cache=True)
+            if not await self._outputs_settled():
+                await self.llm.resume_generation()
+                await self._pause(mode, clear_cache=True)
+                continue
+            return
         # Bounded: a request vLLM keeps but never runs must not hold the swap for ever.
         log.warning("vLLM still holds unfinished requests after 100 pauses; loading all the same")
+
+    async def _pause(self, mode: str, *, clear_cache: bool) -> None:
+        """vLLM's `pause_generation` without the 20 ms sleep it ends with (there, it says, so a
+        caller sees the last outputs of drained requests first; not needed for correctness): a
+        swap pauses twice, and generation waits through both. `_pause_all` waits for those
+        outputs itself, when there are any (`_outputs_settled`)."""
+        llm = self.llm
+        if clear_cache:
+            await llm.renderer.clear_mm_cache_async()
+        await llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+
+    async def _outputs_settled(self, within_s: float = 0.05) -> bool:
+        """True once vLLM's output processor holds no unfinished request of ours: the outputs
+        of requests the pause drained reach it a moment after the pause returns (vLLM's own
+        pause slept 20 ms for them), so for up to `within_s` it is asked again every ms."""
+        processor = self.llm.output_processor
+        give_up = time.monotonic() + within_s
+        while processor.has_unfinished_requests():
+            if time.monotonic() > give_up:
+                return False
+            await asyncio.sleep(0.001)
+        return True
 
     async def _load_kept(self, version: int, path: str) -> None:
         """A keep swap's load: the frozen requests run again as soon as generation resumes,
@@ -579,7 +602,7 @@ class VLLMEngine:
         try:
             logprob = await self._probe()
         finally:
-            await llm.pause_generation(mode="wait", clear_cache=True)
+            await self._pause("wait", clear_cache=True)
         if not math.isfinite(logprob):
             raise RuntimeError(f"weights loaded from {path} give a logprob of {logprob}")
 
