@@ -201,13 +201,15 @@ def floor(run: dict) -> float | None:
     return run["raw_cold_s"] + run["phases"]["load"]
 
 
-def summary(runs: list[dict], size: int) -> dict:
+def summary(every: list[dict], size: int) -> dict:
+    """Medians of the measured runs (the warm-up ones only give the first publish's stall)."""
+    stalls = [r["phases"]["trainer stall"] for r in every if "trainer stall" in r["phases"]]
+    runs = [r for r in every if not r.get("warm_up")]
     total = statistics.median(r["total_s"] for r in runs)
     floors = [(r["total_s"], floor(r)) for r in runs if floor(r) is not None]
     warm = statistics.median(r["raw_warm_s"] for r in runs)
     colds = [r["raw_cold_s"] for r in runs if r["raw_cold_s"] is not None]
     cold = statistics.median(colds) if colds else None
-    stalls = [r["phases"]["trainer stall"] for r in runs if "trainer stall" in r["phases"]]
     return {"total_s": total, "gb_per_s": size / total / 1e9,
             "stall_first_s": stalls[0] if stalls else None,
             "phases_s": {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]},
@@ -215,7 +217,7 @@ def summary(runs: list[dict], size: int) -> dict:
             "ratio_vs_cold": cold / total if cold else None,
             "floor_s": statistics.median(f for _, f in floors) if floors else None,
             "ratio_vs_floor": statistics.median(t / f for t, f in floors) if floors else None,
-            "runs": runs}
+            "runs": every}
 
 
 def start_worker(redis_url: str, policy: str, model: Path, *flags: str) -> subprocess.Popen:
@@ -336,8 +338,7 @@ async def full_runs(redis_url: str, tmp: Path, checkpoints: list[Path],
                 for i in range(WARM_UP + repeats):
                     version += 1
                     run = await swap_once(client, version, checkpoints[version % 2], mode)
-                    if i >= WARM_UP:
-                        runs.append(run)
+                    runs.append(run | {"warm_up": i < WARM_UP})
     finally:
         stop_process(worker)
 

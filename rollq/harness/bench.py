@@ -178,7 +178,8 @@ SWAP_PHASES_EXPLAINED = [
     "- *trainer stall* (state_dict only): `publish_weights` copying the trainer's tensors into a "
     "staging buffer laid out as the safetensors file; the trainer goes on after it [1 memcpy].",
     "- *store*: the publish task, to its end. Copy: the kernel copies the files into the store "
-    "(sendfile), they are hashed from the page cache (BLAKE3), renamed into place and registered "
+    "(sendfile, over the files of the policy's spare, a retired version), they are hashed from "
+    "the page cache (BLAKE3), renamed into place and registered "
     "[copy, hash]; state_dict: the staging buffer written to disk while another thread hashes it "
     "in memory, renamed, registered [write + hash at once]. Then, while workers already verify "
     "it, the fsyncs and `keep`: so *store* overlaps *verify* and the phases add up to more than "
@@ -193,8 +194,10 @@ SWAP_PHASES_EXPLAINED = [
     "- *load*: vLLM's `reload_weights` of the snapshot (layers materialized again, weights copied "
     "in and repacked for the CPU kernels) and one probe token proving them [read by vLLM].",
     "- *resume*: generation resumes; the probe group's one token then marks the end to end.",
-    "- *engine floor*: per publish, the cold read of the files (page cache dropped) plus that "
-    "publish's *load*: what any swap through vLLM pays at least. The ratio is end to end over it.",
+    "- *engine floor*: per publish, the cold read of the files (their pages evicted first) plus "
+    "that publish's *load*: what any swap through vLLM pays at least. The ratio is end to end "
+    "over it. Each publish starts on a settled disk; each mode's first three publishes are not "
+    "measured (the steady state: store and worker each hold a spare to write over).",
 ]
 
 
