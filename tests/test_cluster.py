@@ -31,7 +31,7 @@ from rollq.client import RolloutClient
 from rollq.engine.instant import InstantEngine, expected_tokens
 from rollq.protocol import pack_tokens
 from rollq.queue import results
-from rollq.queue.connection import Durability, connect, parse_url
+from rollq.queue.connection import Durability, connect, is_cluster, parse_url
 from rollq.queue.keys import Keys
 from rollq.queue.names import Group
 from rollq.queue.work import WorkQueue
@@ -63,7 +63,8 @@ def test_the_url_decides_single_node_or_cluster():
         parse_url("redis://a:1/0?durable_replica=1")
     with pytest.raises(ValueError, match="host:port"):
         parse_url("redis+cluster://a,b:2/")
-    assert type(connect("redis://127.0.0.1:1/0")) is Redis
+    one_client = connect("redis://127.0.0.1:1/0")
+    assert isinstance(one_client, Redis) and not is_cluster(one_client)
 
 
 async def test_submit_claim_finish_results_ack(cluster, redis, make_client, make_worker, policy):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 from urllib.parse import parse_qsl, urlencode
 
 import redis
@@ -140,7 +141,7 @@ def connect(url: str = DEFAULT_URL, *, retries: int = 8) -> Redis | RedisCluster
                   retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries),
                   retry_on_error=[ConnectionError, TimeoutError], health_check_interval=30)
     if target.seeds is None:
-        client = Redis.from_url(target.url, **common)
+        client = Single.from_url(target.url, **common)
     else:
         client = Cluster.from_url(target.url, startup_nodes=[ClusterNode(h, p) for h, p in target.seeds[1:]],
                                   **common)
@@ -175,7 +176,43 @@ def check_replicated(reply, wanted: Durability) -> None:
                             f"{wanted.timeout_ms} ms; the write may be lost in a failover")
 
 
-class Cluster(RedisCluster):
+class _EvalWhenLost:
+    """Scripts by SHA, so a call answered NOSCRIPT is sent again as EVAL, which runs the script
+    and caches it where it ran. redis-py's own answer (SCRIPT LOAD, then EVALSHA again) leaves a
+    window: a server restarted in between (redis-py's retry reconnects to it) or a promoted
+    replica (Redis does not replicate its script cache) answers NOSCRIPT again, which redis-py
+    raises: it ended the episodes router, and would any loop that retries only connection errors
+    (tests/test_script_lost.py)."""
+
+    script_sources: ClassVar[dict[str, bytes | str]] = {}
+    """Every script registered through any client, by SHA (a SHA names its source, so one map
+    serves every client, also one that calls a script another registered)."""
+
+    def register_script(self, script):
+        registered = super().register_script(script)
+        self.script_sources[registered.sha] = script
+        return registered
+
+    def _as_eval(self, args: tuple) -> tuple | None:
+        """An EVALSHA of a registered script as an EVAL (None for any other command)."""
+        source = self.script_sources.get(args[1]) if args and args[0] == "EVALSHA" else None
+        return None if source is None else ("EVAL", source, *args[2:])
+
+
+class Single(_EvalWhenLost, Redis):
+    """redis-py's async Redis (one server), whose script calls outlive a lost script cache."""
+
+    async def execute_command(self, *args, **options):
+        try:
+            return await super().execute_command(*args, **options)
+        except NoScriptError:
+            again = self._as_eval(args)
+            if again is None:
+                raise
+            return await super().execute_command(*again, **options)
+
+
+class Cluster(_EvalWhenLost, RedisCluster):
     """redis-py's async RedisCluster, with a pipeline that takes rollq's Lua scripts."""
 
     def __init__(self, *args, **kwargs):
@@ -186,12 +223,6 @@ class Cluster(RedisCluster):
             raise RuntimeError(f"rollq's Redis Cluster support is written against redis-py 5.x, found "
                                f"{redis.__version__}; install redis>=5.3,<6 for cluster URLs")
         super().__init__(*args, **kwargs)
-        self.script_sources: dict[str, bytes | str] = {}
-
-    def register_script(self, script):
-        registered = super().register_script(script)
-        self.script_sources[registered.sha] = script
-        return registered
 
     async def execute_command(self, *args, **kwargs):
         try:
@@ -200,10 +231,10 @@ class Cluster(RedisCluster):
             # The slot's node lacks the script (a promoted replica: Redis does not replicate its
             # script cache). redis-py would SCRIPT LOAD on the primaries it knows, which after a
             # failover may not include this one; EVAL runs and caches it wherever the slot is.
-            source = self.script_sources.get(args[1]) if args[0] == "EVALSHA" else None
-            if source is None:
+            again = self._as_eval(args)
+            if again is None:
                 raise
-            return await self.execute_command("EVAL", source, *args[2:], **kwargs)
+            return await self.execute_command(*again, **kwargs)
         except Exception as e:
             if _unavailable(e):
                 raise _as_unavailable(e) from e

@@ -78,26 +78,30 @@ async def pipelined(redis: Redis, calls: list[Call], *, durable_key: str | None 
     (errors as values) and, when `durable_key` is given and the connection asks for durability,
     the reply of a WAIT sent behind them on the same connection (else None).
 
-    A call answered NOSCRIPT did not run: its script is loaded (SCRIPT LOAD) and those calls are
-    sent again, in order, with a WAIT of their own. A cluster pipeline resends such calls itself
-    (connection.py)."""
+    A call answered NOSCRIPT did not run: those calls are sent again, in order, as EVAL (which
+    runs the script and caches it: a SCRIPT LOAD first would leave a window in which a restarted
+    server loses it again, see connection.py's `_EvalWhenLost`), with a WAIT of their own. A
+    cluster pipeline resends such calls itself (connection.py)."""
     wanted = durability(redis) if durable_key is not None else Durability()
     replies, acked = await _send(redis, calls, durable_key, wanted)
     missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     if missing:
-        for script in {calls[i][0].sha: calls[i][0] for i in missing}.values():
-            await redis.script_load(script.script)
-        again, acked_again = await _send(redis, [calls[i] for i in missing], durable_key, wanted)
+        again, acked_again = await _send(redis, [calls[i] for i in missing], durable_key, wanted,
+                                         as_eval=True)
         for i, reply in zip(missing, again):
             replies[i] = reply
         acked = _fewer(acked, acked_again)
     return replies, acked
 
 
-async def _send(redis: Redis, calls: list[Call], durable_key: str | None, wanted: Durability):
+async def _send(redis: Redis, calls: list[Call], durable_key: str | None, wanted: Durability, *,
+                as_eval: bool = False):
     async with redis.pipeline(transaction=False) as pipe:
         for script, keys, args in calls:
-            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            if as_eval:
+                pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+            else:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         if wanted.replicas:
             queue_wait(pipe, durable_key, wanted)
         replies = await pipe.execute(raise_on_error=False)
