@@ -38,7 +38,10 @@ class SlowAdd:
     def __init__(self, llm, hold_s: float = 3.0):
         self.llm, self.hold_s = llm, hold_s
         self.entered, self.paused, self.added = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self.add, self.pause, self.rpc = llm.add_request, llm.pause_generation, llm.collective_rpc
+        # vLLM's own pause, under whichever call the engine makes (rollq's skips
+        # `pause_generation`'s closing sleep): the engine core's pause is what the add must follow.
+        self.core = llm.engine_core
+        self.add, self.pause, self.rpc = llm.add_request, self.core.pause_scheduler_async, llm.collective_rpc
         self.order: list[str] = []
 
     async def _add(self, *args, **kwargs):
@@ -63,12 +66,12 @@ class SlowAdd:
         return await self.rpc(method, *args, **kwargs)
 
     def __enter__(self):
-        self.llm.add_request, self.llm.pause_generation = self._add, self._pause
+        self.llm.add_request, self.core.pause_scheduler_async = self._add, self._pause
         self.llm.collective_rpc = self._rpc
         return self
 
     def __exit__(self, *exc):
-        del self.llm.add_request, self.llm.pause_generation, self.llm.collective_rpc
+        del self.llm.add_request, self.core.pause_scheduler_async, self.llm.collective_rpc
 
 
 def greedy_item(prompt: list[int]) -> WorkItem:

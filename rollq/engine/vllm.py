@@ -520,10 +520,13 @@ class VLLMEngine:
             await llm.renderer.clear_mm_cache_async()
         await llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
-    async def _outputs_settled(self, within_s: float = 0.05) -> bool:
+    async def _outputs_settled(self, within_s: float = 0.005) -> bool:
         """True once vLLM's output processor holds no unfinished request of ours: the outputs
         of requests the pause drained reach it a moment after the pause returns (vLLM's own
-        pause slept 20 ms for them), so for up to `within_s` it is asked again every ms."""
+        pause slept 20 ms for them), so for up to `within_s` it is asked again every ms. Short:
+        a request vLLM queued under the pause never finishes while paused, and each of
+        `_pause_all`'s rounds would wait this long for nothing (50 ms tripled the swap-label
+        tests, CI6); one finished but not yet seen costs a round, no more."""
         processor = self.llm.output_processor
         give_up = time.monotonic() + within_s
         while processor.has_unfinished_requests():
