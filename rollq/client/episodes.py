@@ -79,10 +79,11 @@ OWNER_LEASE_S = 5.0
 """The owner lease (one live object per owner), renewed by the result router about every second:
 a killed holder's lapses after this long."""
 _NOT_SAMPLED = -1
-_OUTAGE = (RedisConnectionError, RedisTimeoutError, NoScriptError)
-"""What the router rides out and tries again: NOSCRIPT too, which redis-py raises when Redis
-restarted between its SCRIPT LOAD and the script's second call (the script did not run)."""
 """`token_versions` of a token the policy did not sample (prompt, tool output, user message)."""
+_OUTAGE = (RedisConnectionError, RedisTimeoutError, NoScriptError)
+"""What the router rides out and tries again: NOSCRIPT too, which redis-py raised when Redis
+restarted between its SCRIPT LOAD and the script's second call (the script did not run; rollq's
+clients now send such a call again as EVAL, queue/connection.py, so this is a second guard)."""
 
 
 class EpisodeError(Exception):

@@ -125,7 +125,8 @@ def gathered(source: Any) -> dict[str, Any] | None:
 
 
 _ADAPTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""PEFT model -> {(adapter, vocab size, base model): where each tensor of its state dict lives}."""
+"""PEFT model -> {(adapter, vocab size, its config's repr): (whether PEFT saves embeddings, where
+each tensor of its state dict lives: `_where`, None to ask PEFT every time)}."""
 
 
 def _adapter_tensors(model: Any, name: str) -> dict[str, Any]:
