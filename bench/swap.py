@@ -36,8 +36,10 @@ generating` (end to end less the probe's generation time as the worker measured 
 
 The raw read is the same files read once, sequentially, just before each publish: warm (from
 the page cache, as the swap finds them) and cold (the files' pages evicted first,
-`POSIX_FADV_DONTNEED`: storage bandwidth). Each publish starts once the disk is settled
-(`settle`); the first `WARM_UP` publishes of each mode are not measured. Reported: end to
+`POSIX_FADV_DONTNEED`: storage bandwidth). Each publish of full weights starts once the
+worker's processes are idle (`worker_idle`: vLLM's shared-memory readers spin for a second
+after each message) and the disk is settled (`settle`); the first `WARM_UP` publishes of each
+mode are not measured. Reported: end to
 end, each phase, and the effective bandwidth (checkpoint bytes / end to end) as a fraction of
 each raw read's; and the **engine floor**, per publish: its cold
 read plus the worker's `load` phase of the same swap (vLLM's `reload_weights` of the snapshot,
@@ -161,8 +163,37 @@ def settle(directory: Path, quiet_s: float = 0.2, timeout_s: float = 30) -> None
         time.sleep(0.01)
 
 
-async def swap_once(client: RolloutClient, version: int, source: Path, mode: str) -> dict:
+def cpu_seconds(session: int) -> float:
+    """CPU time used so far by the processes of one session (the worker and vLLM's processes)."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[3]) == session:  # fields after the name: state ppid pgrp session ...
+            ticks += int(fields[11]) + int(fields[12])  # utime stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def worker_idle(session: int, window_s: float = 0.3, most: float = 0.1, timeout_s: float = 30) -> None:
+    """Wait until the worker's processes used under `most` of a core over `window_s`. vLLM's
+    readers of its shared-memory queue spin (sched_yield) for 1 s after each message they read
+    (`SpinCondition.busy_loop_s`): a publish made within a second of the previous probe shared
+    the 2 cores here with that spin, which made the publisher's hash 0.05 -> 0.085-0.12 s."""
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        before = cpu_seconds(session)
+        time.sleep(window_s)
+        if cpu_seconds(session) - before <= most * window_s:
+            return
+
+
+async def swap_once(client: RolloutClient, version: int, source: Path, mode: str,
+                    worker: int) -> dict:
+    """`worker`: the session of the worker's processes (`worker_idle`)."""
     files = sorted(source.glob("*.safetensors"))
+    worker_idle(worker)
     settle(source)
     raw_cold = raw_read(files, cold=True)  # first: it leaves the files in the page cache
     raw_warm = raw_read(files)
@@ -337,7 +368,8 @@ async def full_runs(redis_url: str, tmp: Path, checkpoints: list[Path],
             for mode, runs in modes.items():
                 for i in range(WARM_UP + repeats):
                     version += 1
-                    run = await swap_once(client, version, checkpoints[version % 2], mode)
+                    run = await swap_once(client, version, checkpoints[version % 2], mode,
+                                          worker.pid)  # (its own session: start_worker)
                     runs.append(run | {"warm_up": i < WARM_UP})
     finally:
         stop_process(worker)
