@@ -30,9 +30,13 @@ fsyncs follow, beside the worker), the worker's copy, checks and `add_lora`, and
 one token under the adapter. No swap: the full weights never change. That token is a CPU
 forward pass of the whole model with LoRA (~50-110 ms here), so each publish's probe is followed
 by the same probe on the adapter, now resident: `publish -> servable` (raw publish -> first
-token less that resident probe's latency, per publish) is how soon the version could serve, the
-figure the <= 50 ms target is judged on; the raw one is reported beside it. `publish ->
-generating` (end to end less the probe's generation time as the worker measured it) is kept too.
+token less that resident probe's latency, per publish) is how soon the version could serve.
+Under load that difference of two probes swung from -214 to +264 ms per publish, so the <= 50
+ms target is judged on the worker's own stamp: `publish -> loaded`, from the call to the
+moment the worker put the adapter in its loaded set (`Totals.last_adapter["servable_at"]`, the
+same host's wall clock), from which a group waiting for it runs on it. The others are reported
+beside it. `publish -> generating` (end to end less the probe's generation time as the worker
+measured it) is kept too.
 
 The raw read is the same files read once, sequentially, just before each publish: warm (from
 the page cache, as the swap finds them) and cold (the files' pages evicted first,
@@ -123,6 +127,17 @@ async def last_swap(client: RolloutClient, version: int, timeout_s: float = 30) 
                 return w.totals.last_swap
         await asyncio.sleep(0.2)
     raise RuntimeError(f"no heartbeat reported the swap to version {version}")
+
+
+async def adapter_servable_at(client: RolloutClient, version: int, timeout_s: float = 30) -> float:
+    """The worker's wall clock when adapter `version` became servable, from its heartbeat."""
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        for w in await live_workers(client.redis, Keys(ADAPTER_POLICY)):
+            if w.totals.last_adapter.get("version") == version:
+                return w.totals.last_adapter["servable_at"]
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"no heartbeat reported adapter version {version} loaded")
 
 
 async def last_event(client: RolloutClient) -> str:
@@ -296,21 +311,23 @@ async def adapter_once(client: RolloutClient, version: int, adapter) -> dict:
     first probe would have taken had the adapter been servable when the publish began."""
     settle(Path(tempfile.gettempdir()))
     after = await last_event(client)
-    began = time.perf_counter()
+    began, began_at = time.perf_counter(), time.time()
     # wait=False and the probe once the version is announced (see `swap_once`).
     published = await client.publish_weights(version, adapter, adapter_on=0, keep=3, wait=False)
     done = asyncio.ensure_future(ended(published))
     await announced(client, after)
     _, result = await probe(client, version)
     total_s = time.perf_counter() - began
+    loaded_s = await adapter_servable_at(client, version) - began_at  # (one host: one clock)
     entry = await published
     stored = await done - began
     resident_s, _ = await probe(client, version)
     print(f"adapter version {version}: {total_s * 1000:.1f} ms end to end, store "
           f"{stored * 1000:.1f} ms, probe generation {result.generation_s * 1000:.1f} ms, "
           f"resident probe {resident_s * 1000:.1f} ms -> servable "
-          f"{(total_s - resident_s) * 1000:.1f} ms (load {os.getloadavg()[0]:.1f})", flush=True)
-    return {"total_s": total_s, "store_s": stored, "generation_s": result.generation_s,
+          f"{(total_s - resident_s) * 1000:.1f} ms; in the worker's loaded set "
+          f"{loaded_s * 1000:.1f} ms (load {os.getloadavg()[0]:.1f})", flush=True)
+    return {"loaded_s": loaded_s, "total_s": total_s, "store_s": stored, "generation_s": result.generation_s,
             "ready_s": total_s - result.generation_s, "resident_s": resident_s,
             "servable_s": total_s - resident_s, "bytes": sum(d.bytes for d in entry.files)}
 
@@ -333,7 +350,8 @@ async def adapter_runs(redis_url: str, tmp: Path, base: Path, repeats: int) -> d
             "generation_s": statistics.median(r["generation_s"] for r in runs),
             "ready_s": statistics.median(r["ready_s"] for r in runs),
             "resident_s": statistics.median(r["resident_s"] for r in runs),
-            "servable_s": statistics.median(r["servable_s"] for r in runs), "runs": runs}
+            "servable_s": statistics.median(r["servable_s"] for r in runs),
+            "loaded_s": statistics.median(r["loaded_s"] for r in runs), "runs": runs}
 
 
 async def main(repeats: int, adapter_repeats: int, only: str | None = None) -> dict:
@@ -392,7 +410,8 @@ def report(r: dict) -> None:
               f"adapter once resident {a['resident_s'] * 1000:.1f} ms; publish -> servable "
               f"{a['servable_s'] * 1000:.1f} ms (store {a['store_s'] * 1000:.1f} ms, probe "
               f"generation {a['generation_s'] * 1000:.1f} ms, publish -> generating "
-              f"{a['ready_s'] * 1000:.1f} ms)")
+              f"{a['ready_s'] * 1000:.1f} ms); publish -> loaded (the worker's stamp) "
+              f"{a['loaded_s'] * 1000:.1f} ms (target <= 50 ms)")
     print(f"load average: {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end")
 
 

@@ -139,6 +139,10 @@ async def test_three_adapter_versions_are_served_side_by_side_without_a_swap(
     beats = await wait_until(lambda: _beat_with_adapters(publisher.redis, keys, [1, 2, 3]),
                              what="adapters in the beat")
     assert [(b.version, b.adapters) for b in beats] == [(0, [1, 2, 3])]
+    # ... and the latest load: the worker's stamp of when groups could run on it, before any did.
+    last = beats[0].totals.last_adapter
+    assert last["version"] in (1, 2, 3) and 0 < last["load_s"] < 60
+    assert last["servable_at"] <= min(start for start, _, v in spans if v == last["version"])
     console = Console(record=True, width=200)
     render(await policy_status(publisher.redis, keys.policy), console)
     assert "0 + adapters 1, 2, 3" in console.export_text()

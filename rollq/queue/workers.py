@@ -39,6 +39,9 @@ class Totals(msgspec.Struct):
     swap_s: float = 0.0
     last_swap: dict[str, float] = {}
     """Seconds per phase of the latest swap: verify, drain, pause, load, resume."""
+    last_adapter: dict[str, float] = {}
+    """The latest adapter version loaded: `version`, `servable_at` (the worker's wall clock when
+    groups could run on it) and `load_s` (from its pin: copy, checks, the engine's load)."""
     reclaims: int = 0
     dead_letters: int = 0
     errors: int = 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from rollq.engine.base import Engine, Generated
     from rollq.engine.vllm import Adapter
     from rollq.worker.heartbeat import Heartbeat
+    from rollq.worker.stats import WorkerStats
     from rollq.worker.versions import VersionState
 
 log = logging.getLogger("rollq.worker")
@@ -43,8 +45,9 @@ log = logging.getLogger("rollq.worker")
 class ResidentAdapters:
     def __init__(self, engine: Engine, registry: Registry, snapshots: Snapshots,
                  base_schema: Schema | None, *, worker_id: str, heartbeat: Heartbeat,
-                 versions: VersionState):
-        """`heartbeat`: shows the adapters pinned while they load; `versions`: told of refusals."""
+                 versions: VersionState, stats: WorkerStats):
+        """`heartbeat`: shows the adapters pinned while they load; `versions`: told of refusals;
+        `stats`: each load's time."""
         self.engine = engine
         self.registry = registry
         self.snapshots = snapshots
@@ -52,6 +55,7 @@ class ResidentAdapters:
         self.worker_id = worker_id
         self.heartbeat = heartbeat
         self.versions = versions
+        self.stats = stats
         self.capacity = engine.max_loras
         self.max_rank = engine.max_lora_rank
         self.entries: dict[int, VersionEntry] = {}
@@ -133,7 +137,7 @@ class ResidentAdapters:
     async def _load(self, entry: VersionEntry) -> bool:
         from rollq.engine.vllm import Adapter
 
-        version = entry.version
+        version, began = entry.version, time.monotonic()
         # Pinned while its files are copied: retention cannot delete them under the copy. The
         # private snapshot is what the engine reads, so the pin goes once it is loaded.
         if await self.registry.pin(version, self.worker_id, self.heartbeat.ttl_s) is None:
@@ -160,6 +164,7 @@ class ResidentAdapters:
             if not loaded:
                 await self._unpin(version)
         self.loaded[version] = adapter
+        self.stats.adapter_loaded(version, time.monotonic() - began)
         # Servable from here: the unpin, the log line (rich's handler: ~0.5 ms) and any eviction
         # (an engine call) run after the groups waiting for it have started.
         settling = asyncio.ensure_future(self._settle(entry))
@@ -171,6 +176,7 @@ class ResidentAdapters:
         version = entry.version
         await self._unpin(version)
         log.info("adapter version %d loaded (on version %d)", version, entry.base)
+        self.heartbeat.soon()  # the adapters loaded and the load's time, at once
         await self._evict()
 
     async def _unpin(self, version: int) -> None:

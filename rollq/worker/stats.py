@@ -64,6 +64,9 @@ class WorkerStats:
             "rollq_worker_swap_phase_seconds", "Seconds in each phase of a weight swap: verify, drain, "
             "pause, load, resume.", labelnames=["policy", "phase"], buckets=SECONDS_BUCKETS,
             registry=self.registry)
+        self._adapter_s = Histogram(
+            "rollq_worker_adapter_load_seconds", "Loading an adapter version, from its pin to "
+            "servable: copy, checks, the engine's load.", buckets=SECONDS_BUCKETS, **labels)
         self.inflight = Gauge("rollq_worker_inflight_groups", "Groups held.", **labels).labels(policy)
         self.version = Gauge("rollq_worker_version", "Policy version loaded.", **labels).labels(policy)
 
@@ -101,6 +104,11 @@ class WorkerStats:
             self._swap_phase_s.labels(self.policy, phase).observe(phase_s)
         self._swaps.labels(self.policy, "ok" if ok else "failed").inc()
         self._swap_s.labels(self.policy).observe(seconds)
+
+    def adapter_loaded(self, version: int, seconds: float) -> None:
+        """Groups can run on adapter `version` from now, `seconds` after its load began."""
+        self.totals.last_adapter = {"version": version, "servable_at": time.time(), "load_s": seconds}
+        self._adapter_s.labels(self.policy).observe(seconds)
 
     def reclaimed(self, count: int) -> None:
         self.totals.reclaims += count

@@ -71,7 +71,8 @@ class VersionFollower:
         self.adapters: ResidentAdapters | None = None
         if getattr(engine, "max_loras", 0):  # started with adapter support
             self.adapters = ResidentAdapters(engine, registry, self.snapshots, base_schema,
-                                             worker_id=worker_id, heartbeat=heartbeat, versions=versions)
+                                             worker_id=worker_id, heartbeat=heartbeat, versions=versions,
+                                             stats=stats)
             self.versions.serve_adapters(self.adapters)
             heartbeat.adapters = self.adapters.loaded  # read at each beat
 
