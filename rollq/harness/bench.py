@@ -184,8 +184,8 @@ SWAP_PHASES_EXPLAINED = [
     "- *trainer stall* (state_dict only): `publish_weights` copying the trainer's tensors into a "
     "staging buffer laid out as the safetensors file; the trainer goes on after it [1 memcpy].",
     "- *store*: the publish task, to its end. Copy: the kernel copies the files into the store "
-    "(sendfile, over the files of the policy's spare, a retired version), they are hashed from "
-    "the page cache (BLAKE3), renamed into place and registered "
+    "(sendfile, over the files of the policy's spare, a retired version), the copies are hashed "
+    "through a memory map (BLAKE3), renamed into place and registered "
     "[copy, hash]; state_dict: the staging buffer written to disk while another thread hashes it "
     "in memory, renamed, registered [write + hash at once]. Then, while workers already verify "
     "it, the fsyncs and `keep`: so *store* overlaps *verify* and the phases add up to more than "
@@ -202,8 +202,13 @@ SWAP_PHASES_EXPLAINED = [
     "- *resume*: generation resumes; the probe group's one token then marks the end to end.",
     "- *engine floor*: per publish, the cold read of the files (their pages evicted first) plus "
     "that publish's *load*: what any swap through vLLM pays at least. The ratio is end to end "
-    "over it. Each publish starts on a settled disk; each mode's first three publishes are not "
-    "measured (the steady state: store and worker each hold a spare to write over).",
+    "over it. Each publish starts once the worker's processes are idle and the disk is settled; "
+    "each mode's first three publishes are not measured (the steady state: store and worker each "
+    "hold a spare to write over).",
+    "- *adapter*: publish -> loaded is the worker's own stamp (its heartbeat's `last_adapter`) of "
+    "when groups could first run on the version, less the publish call's start (one host, one "
+    "clock): the PEFT state dict, the store up to registration, the worker's copy, checks and "
+    "`add_lora`. The probe figures beside it include a CPU forward pass of the whole model.",
 ]
 
 
