@@ -577,14 +577,16 @@ class RolloutClient:
 
         `source`: a directory of safetensors files (copied into the weight store, or registered
         in place with `copy=False`), a state_dict, or a Hugging Face / PEFT model. Files are
-        fsynced and hashed before the version is registered. `keep`: then delete all but the
-        newest `keep` versions that no worker holds and no unfinished job may need.
+        hashed before the version is registered; the store's copy is fsynced right after, while
+        workers already copy and verify it, and the call returns once it is durable (what a crash
+        leaves: docs/architecture.md, "Versions before they are durable"). `keep`: then delete all
+        but the newest `keep` versions that no worker holds and no unfinished job may need.
 
         Returns the `VersionEntry`; with `wait=False`, an `asyncio.Task` of it, as soon as the
         weights are safe from the trainer's next optimizer step: a state_dict or model is copied
         (one memcpy per tensor) into a host staging buffer laid out as the safetensors file; a
         directory is read later, so it must stay unchanged until the task is done. The store
-        write (the buffer to disk while it is hashed in memory), fsync and registration then run
+        write (the buffer to disk while it is hashed in memory), registration and fsync then run
         in the background, so the training loop is not held up by them. The client keeps up to
         two staging buffers of the checkpoint's size for its next publishes (a fresh one costs
         its page faults, 5-10x the copy here). Publishes register in the order they were made, waited
