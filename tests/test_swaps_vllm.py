@@ -25,7 +25,11 @@ async def test_publish_while_200_groups_run(mode, publisher, follower, versions,
     swap begins while they run (with 48 tokens they took ~1.5 s, and a clean CI run once finished
     them all on v1 before the interrupting swap began; with 128, another, in under 17 s, the
     follower having read version 2 and no swap begun: its cause is not found, so a failure now
-    carries the worker's log and the follower's state). In keep mode the job accepts keep, and
+    carries the worker's log and the follower's state). A third, on a cluster (2026-12-06 CI):
+    64 groups wholly on v1, none cut, the swap itself 0.05 s; locally, beside two busy loops,
+    the swap began 0.07-0.27 s after the publish, a wave of 32 groups lasting ~2 s. A failure now
+    also says when each log line came and when the last v1-only group ended, both relative to
+    the publish. In keep mode the job accepts keep, and
     each sample is checked against what keep promises (`Reference.check_kept`)."""
     caplog.set_level(logging.INFO, logger="rollq")
     weights, models = versions
@@ -39,7 +43,7 @@ async def test_publish_while_200_groups_run(mode, publisher, follower, versions,
     # ran when a keep swap began, so nothing was cut).
     results = await collect(publisher, 32, timeout_s=120)
     await wait_until(lambda: len(worker.admission.generating) >= 16, what="the second wave running")
-    published = time.monotonic()
+    published, published_at = time.monotonic(), time.time()
     await publisher.publish_weights(2, weights[2])
     publish_s = time.monotonic() - published
     results += await collect(publisher, 200 - 32, timeout_s=300)
@@ -56,24 +60,27 @@ async def test_publish_while_200_groups_run(mode, publisher, follower, versions,
         else:
             reference.check(r.prompt_ids, sample)
         segments[tuple(v for v, _ in sample.versions)] += 1
-    print(mode, dict(segments), worker.stats.totals.last_swap, "kept KV changed", kept_differs)
+    print(mode, dict(segments), worker.stats.totals.last_swap, "kept KV changed", kept_differs,
+          f"publish {publish_s:.2f} s")
     # On failure, what the follower saw, and how busy the loop's default executor (where the
     # snapshot check runs) was: a clean CI run once served all 200 on v1 with no swap begun.
     executor = getattr(asyncio.get_running_loop(), "_default_executor", None)
-    log = [f"{r.relativeCreated / 1000:.2f} {r.name}: {r.getMessage()}" for r in caplog.records
-           if r.name.startswith("rollq")][-30:]
-    assert segments[(1,)] > 0 and segments[(2,)] > 0, (
-        dict(segments), worker.last_error, worker.cannot_load, worker.engine.version, worker.newest,
-        f"swap state {worker.versions.swap}, heartbeat target {worker.heartbeat.target}",
-        f"publish took {publish_s:.2f} s, the 168 groups after it {ran_s:.2f} s",
-        executor and (len(executor._threads), executor._work_queue.qsize()), log)
+    log = [f"{r.created - published_at:+.2f} {r.name}: {r.getMessage()}" for r in caplog.records
+           if r.name.startswith("rollq")][-30:]  # seconds since the publish began
+    last_v1 = max((r.finished_at for r in results if r.samples[0].versions == [(1, 0)]), default=0)
+    state = (dict(segments), worker.last_error, worker.cannot_load, worker.engine.version, worker.newest,
+             f"swap state {worker.versions.swap}, heartbeat target {worker.heartbeat.target}",
+             f"publish took {publish_s:.2f} s, the 168 groups after it {ran_s:.2f} s, the last "
+             f"group of v1 alone ended {last_v1 - published_at:+.2f} s after the publish began",
+             executor and (len(executor._threads), executor._work_queue.qsize()), log)
+    assert segments[(1,)] > 0 and segments[(2,)] > 0, state
     # Where the swap's time went (metrics, heartbeat, bench/swap.py): every phase, measured.
     assert set(worker.stats.totals.last_swap) == {"verify", "drain", "pause", "load", "resume"}
     assert all(seconds >= 0 for seconds in worker.stats.totals.last_swap.values())
     if mode == "drain":
         assert set(segments) == {(1,), (2,)}
     else:
-        assert segments[(1, 2)] > 0, "no sample was cut by the swap"
+        assert segments[(1, 2)] > 0, ("no sample was cut by the swap", state)
         assert set(segments) <= {(1,), (2,), (1, 2)}
     if mode == "keep":  # the KV really was kept: some continuations differ from a recomputed one
         assert kept_differs > 0, "every kept sample equals v2's continuation with recomputed KV"
