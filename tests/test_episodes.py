@@ -9,7 +9,7 @@ import pytest
 from helpers import drop_a_reply, wait_until
 
 from rollq.engine.instant import FAIL_TOKEN, expected_tokens
-from rollq.client.episodes import EpisodeError
+from rollq.client.episodes import EpisodeError, turn_seed
 from rollq.engine.instant import InstantEngine
 from rollq.protocol import InvalidInput, VersionEntry, pack_tokens
 from rollq.queue import jobs
@@ -62,6 +62,34 @@ async def test_n_branches_continue_each_on_its_own(make_client, make_worker):
     assert [r.turns for r in records] == [1, 2, 1]
     assert records[1].tokens[:7] == [5, 6, *turns[1].tokens]
     assert records[0].tokens == [5, 6, *turns[0].tokens]
+    await episodes.close()
+
+
+async def test_a_seeded_episodes_later_turns_each_get_a_seed_of_their_own(make_client, make_worker):
+    """The start's seed serves the first turn (vLLM gives its n samples seed + i); every later
+    turn gets its own, from the seed, the branch and where the turn begins (`turn_seed`): the
+    same episode again samples the same, and no two turns share their random draws. Before, each
+    later turn of each branch reused the start's seed."""
+    seeds: dict[str, int | None] = {}
+
+    class Recording(InstantEngine):
+        async def generate_group(self, item):
+            seeds[item.job_id] = item.sampling.seed
+            return await super().generate_group(item)
+
+    make_worker(engine=Recording())
+    episodes = make_client().episodes()
+    branches = await episodes.start([1, 2], n=2, sampling=SAMPLING | {"seed": 42}, episode_id="seeded")
+    expected = []
+    for branch in branches:
+        length = 2 + len(branch.tokens)
+        for new in ([3], [4, 5]):
+            turn = await episodes.turn(branch.episode_id, new)
+            expected.append(turn_seed(42, branch.episode_id, length + len(new)))
+            length += len(new) + len(turn.tokens)
+    first, *later = seeds.values()  # in the order served: one turn at a time
+    assert first == 42 and later == expected
+    assert len(set(later)) == 4 and 42 not in later
     await episodes.close()
 
 

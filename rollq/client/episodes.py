@@ -182,6 +182,15 @@ def _start_job(episode_id: str) -> str:
     return f"{episode_id}.t0{uuid.uuid4().hex[:12]}"
 
 
+def turn_seed(seed: int, branch: str, prompt_tokens: int) -> int:
+    """The seed of a seeded episode's later turn: the start's `seed`, the branch and where the
+    turn begins (its prompt's length), hashed. Reproducible (the same episode samples the same
+    tokens again) without one seed for every turn of every branch: the start's seed reused gave
+    each turn the same random draws (vLLM gives `seed + i` only to the first turn's n samples)."""
+    digest = hashlib.blake2b(f"{seed}:{branch}:{prompt_tokens}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # within Sampling.seed's 0..2**63 - 1
+
+
 def _turn_job(branch: str, turn_id: str | None = None) -> str:
     if turn_id is None:
         return f"{branch}.tn{uuid.uuid4().hex[:12]}"
@@ -428,6 +437,9 @@ class Episodes:
         if max_tokens is not None:
             settings = msgspec.structs.replace(settings, max_tokens=max_tokens)
         prompt = unpack_tokens(tokens) + new_tokens
+        if settings.seed is not None:
+            settings = msgspec.structs.replace(settings, seed=turn_seed(settings.seed, episode_id,
+                                                                        len(prompt)))
         window = _window(_text(lo), _text(hi), _text(staleness), version, move)
         try:
             [done] = await self._run(episode_id, job_id, [episode_id], new_tokens, prompt, 1, settings,
