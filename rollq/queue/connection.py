@@ -193,23 +193,22 @@ class _EvalWhenLost:
         self.script_sources[registered.sha] = script
         return registered
 
-    def _as_eval(self, args: tuple) -> tuple | None:
-        """An EVALSHA of a registered script as an EVAL (None for any other command)."""
-        source = self.script_sources.get(args[1]) if args and args[0] == "EVALSHA" else None
-        return None if source is None else ("EVAL", source, *args[2:])
-
-
-class Single(_EvalWhenLost, Redis):
-    """redis-py's async Redis (one server), whose script calls outlive a lost script cache."""
-
     async def execute_command(self, *args, **options):
         try:
             return await super().execute_command(*args, **options)
         except NoScriptError:
-            again = self._as_eval(args)
-            if again is None:
+            # On a cluster, the slot's node may be a promoted replica: redis-py would SCRIPT LOAD
+            # on the primaries it knows, which after a failover may not include this one. EVAL
+            # runs and caches the script wherever it is sent. (Sent through `self`: a subclass's
+            # handling, the cluster's error mapping, applies to it too.)
+            source = self.script_sources.get(args[1]) if args and args[0] == "EVALSHA" else None
+            if source is None:
                 raise
-            return await super().execute_command(*again, **options)
+            return await self.execute_command("EVAL", source, *args[2:], **options)
+
+
+class Single(_EvalWhenLost, Redis):
+    """redis-py's async Redis (one server), whose script calls outlive a lost script cache."""
 
 
 class Cluster(_EvalWhenLost, RedisCluster):
@@ -225,16 +224,8 @@ class Cluster(_EvalWhenLost, RedisCluster):
         super().__init__(*args, **kwargs)
 
     async def execute_command(self, *args, **kwargs):
-        try:
+        try:  # (a NOSCRIPT is sent again as EVAL by `_EvalWhenLost`)
             return await super().execute_command(*args, **kwargs)
-        except NoScriptError:
-            # The slot's node lacks the script (a promoted replica: Redis does not replicate its
-            # script cache). redis-py would SCRIPT LOAD on the primaries it knows, which after a
-            # failover may not include this one; EVAL runs and caches it wherever the slot is.
-            again = self._as_eval(args)
-            if again is None:
-                raise
-            return await self.execute_command(*again, **kwargs)
         except Exception as e:
             if _unavailable(e):
                 raise _as_unavailable(e) from e
