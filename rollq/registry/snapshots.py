@@ -17,7 +17,7 @@ from rollq.protocol import FileDigest, VersionEntry
 from rollq.registry.adapters import check_adapter
 from rollq.registry.safetensors_check import (Schema, WeightError, check_compatible, check_header,
                                               open_regular)
-from rollq.registry.store import check_digest_of, copy_fd, mapped, refuse_links, refuse_unsafe
+from rollq.registry.store import check_digest_of, copy_over, mapped, refuse_links, refuse_unsafe
 
 
 class Snapshots:
@@ -75,13 +75,7 @@ def _copy_checked(source: Path, target: Path, expected: FileDigest) -> None:
             _copy_small(src, target, expected)
             return
         if size == expected.bytes:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            try:
-                # Cut to what was copied: a spare's longer tail goes, and a source that shrank
-                # under the copy leaves a short file, refused by the size check below.
-                os.ftruncate(fd, copy_fd(src.fileno(), fd, size))
-            finally:
-                os.close(fd)
+            copy_over(src.fileno(), target, size, 0o600)  # (a short copy: refused below)
             size = target.stat().st_size
     if size != expected.bytes:
         raise WeightError(f"{expected.name}: {size} bytes, registered {expected.bytes} "

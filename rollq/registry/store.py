@@ -134,10 +134,21 @@ def _write_new(target: Path, data: memoryview) -> None:
         f.truncate(written)
 
 
-def _open_over(path: Path) -> int:
+def _open_over(path: Path, mode: int = 0o666) -> int:
     """A file to write: new, or a spare's file of that name written over in place (its blocks
     and cached pages reused; the writer truncates it to what it wrote). Never through a link."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, mode)
+
+
+def copy_over(src: int, target: Path, size: int, mode: int = 0o666) -> None:
+    """Copy `size` bytes of descriptor `src` into `target` (`_open_over`: new or written over),
+    cut to what was copied: a spare's longer tail goes, and a source that shrank under the copy
+    leaves a short file, which the caller's size or digest check refuses."""
+    fd = _open_over(target, mode)
+    try:
+        os.ftruncate(fd, copy_fd(src, fd, size))
+    finally:
+        os.close(fd)
 
 
 def _checked(files: list[Path], digests: list[FileDigest]) -> list[FileDigest]:
@@ -339,11 +350,7 @@ class WeightStore:
             digests = []
             for f in files:  # opened without following links: the name may have changed since
                 with os.fdopen(open_regular(f), "rb") as src:
-                    fd = _open_over(tmp / f.name)
-                    try:
-                        os.ftruncate(fd, copy_fd(src.fileno(), fd, os.fstat(src.fileno()).st_size))
-                    finally:
-                        os.close(fd)
+                    copy_over(src.fileno(), tmp / f.name, os.fstat(src.fileno()).st_size)
                 if weights:
                     with mapped(tmp / f.name) as data:
                         digests.append(FileDigest(f.name, _digest_bytes(data), len(data), DIGEST))
