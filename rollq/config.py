@@ -235,6 +235,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     max_image_bytes: int = 1024**3
     """Budget on the bytes of the distinct images a trainer keeps stored in Redis (each until a
     week after the last submit naming it)."""
+    max_conversation_bytes: int | None = None
+    """Budget on the bytes of a trainer's agent-conversation records (X-Rollq-Conversation), each
+    until an hour after its last turn (default: max_outstanding_bytes)."""
     require_durable: bool = False
     """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
     header_timeout_s: float = 15.0
@@ -264,9 +267,12 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
             raise InvalidInput("port", f"port={self.port} is out of range [0, 65535]")
         if not 1024 <= self.max_body_bytes <= 2**31:
             raise InvalidInput("max_body_bytes", f"{self.max_body_bytes} is out of range [1024, 2**31]")
+        if self.max_conversation_bytes is None:
+            self.max_conversation_bytes = self.max_outstanding_bytes
         for name, lo, hi in (("header_timeout_s", 0.1, 3600), ("body_timeout_s", 0.1, 3600),
                              ("max_connections", 1, 1_000_000), ("max_reply_bytes", 1024, 2**31),
-                             ("max_image_bytes", 1024, 2**40)):
+                             ("max_image_bytes", 1024, 2**40),
+                             ("max_conversation_bytes", 1024, 2**40)):
             if not lo <= getattr(self, name) <= hi:
                 raise InvalidInput(name, f"{name}={getattr(self, name)} is out of range [{lo}, {hi}]")
         if self.body_bytes_in_flight is not None and not \

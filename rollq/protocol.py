@@ -444,6 +444,8 @@ class GroupResult(msgspec.Struct, **_WIRE):
     reward_s: float = 0.0
     """...and the wall time of scoring the group."""
     scorer_id: str = ""
+    prompt_drift_at: int = -1
+    """With `prompt_drift`: the first position where the whole rendering differs from `prompt`."""
 
     @property
     def prompt_ids(self) -> list[int]:

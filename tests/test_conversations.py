@@ -64,9 +64,13 @@ async def test_a_conversation_keeps_the_sampled_ids_and_an_edited_history_starts
         assert record["tokens"] == p2 + s2 and record["segments"] == [0]
         assert record["mask"] == [0] * len(p1) + [1] * 4 + [0] * (len(p2) - len(p1) - 4) + [1] * 4
         assert record["drift"] == 1  # rendered from text, turn 2's prompt would have differed
-        assert [(t["continued"], t["drift"], t["prompt_start"], t["sample_start"], t["end"])
-                for t in record["turns"]] == [(False, False, 0, len(p1), len(p1) + 4),
-                                              (True, True, 0, len(p2), len(p2) + 4)]
+        assert [(t["continued"], t["began"], t["drift"], t["prompt_start"], t["sample_start"], t["end"])
+                for t in record["turns"]] == [(False, "new", False, 0, len(p1), len(p1) + 4),
+                                              (True, "", True, 0, len(p2), len(p2) + 4)]
+        # Where it drifted: at the first reply, rendered from its text (its JSON here).
+        rendered = _render(asked)
+        at = next(i for i, (a, b) in enumerate(zip(p2, rendered)) if a != b)
+        assert at == len(p1) and record["turns"][0]["drift_at"] == -1 and record["turns"][1]["drift_at"] == at
 
         # Edited history: rendered whole, a new segment after the first.
         edited = [{"role": "user", "content": "hello again"}, second["choices"][0]["message"],
@@ -77,6 +81,7 @@ async def test_a_conversation_keeps_the_sampled_ids_and_an_edited_history_starts
         record = await _trajectory(http, policy)
         assert record["tokens"] == p2 + s2 + p3 + s3 and record["segments"] == [0, len(p2) + 4]
         assert record["turns"][2]["continued"] is False and record["turns"][2]["segment"] == 1
+        assert record["turns"][2]["began"] == "edited"
         assert record["drift"] == 1
 
         # The next turn continues the new segment only.
@@ -109,9 +114,11 @@ async def test_a_turn_sent_again_after_its_reply_was_lost_is_appended_once(make_
     result = GroupResult("chatcmpl-1", 0, "ok", samples=[sample], prompt=pack_tokens([1, 2, 3]))
     dropped = drop_a_reply(monkeypatch, client.redis, "EVALSHA")
     reply = {"role": "assistant", "content": None, "tool_calls": sample.tool_calls}
-    await conversations.append(client, "c1", "chatcmpl-1", conversations.Prior(), [USER], reply, result)
-    assert dropped == [b"ok"]  # redis-py sent it again; the script found the job and answered dup
-    await conversations.append(client, "c1", "chatcmpl-1", conversations.Prior(), [USER], reply, result)
+    turn = ("c1", "chatcmpl-1", conversations.Prior(), [USER], reply, result)
+    kept = dict(body=b"{}", key="body:x", budget=2**20)
+    await conversations.append(client, *turn, **kept)
+    assert dropped == [[b"ok"]]  # redis-py sent it again; the script found the job and answered dup
+    await conversations.append(client, *turn, **kept)
     record = await client.conversation("c1")
     assert record.tokens == [1, 2, 3, 7, 8] and record.mask == [0, 0, 0, 1, 1]
     assert record.token_versions == [-1, -1, -1, 3, 3] and record.logprobs[3:] == [-0.5, -0.25]
@@ -185,3 +192,82 @@ async def test_a_streamed_turn_is_recorded_before_its_chunks(make_gateway, make_
         assert events[-1] == "[DONE]"
         record = await _trajectory(http, policy, "s1")
     assert record["tokens"][:len(_render([USER]))] == _render([USER]) and sum(record["mask"]) == 3
+
+
+async def test_a_trainers_conversation_records_are_bounded_and_another_trainer_is_served(
+        make_gateway, make_worker, make_client, policy):
+    """The budget (`--max-conversation-bytes`) counts every record of the trainer until it
+    expires; a turn past it is a 400 naming the limit, and the other trainers are still served.
+    An expired record's bytes are let go."""
+    gw = await make_gateway(max_conversation_bytes=16 * 1024)
+    make_worker()
+    big = {"role": "user", "content": "w" * 200}  # ~4 KB a record: 13 bytes a token, the reply
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as alice, \
+            aiohttp.ClientSession(gw.url, headers=gw.headers("bob")) as bob:
+        served, refusal = 0, None
+        for i in range(10):
+            body = dict(model=policy, messages=[big], max_tokens=2)
+            async with alice.post("/v1/chat/completions", json=body, headers={HEADER: f"a-{i}"}) as r:
+                if r.status != 200:
+                    refusal = (r.status, await r.json())
+                    break
+                served += 1
+        assert served and refusal is not None, "the budget never refused a turn"
+        status, body = refusal
+        assert status == 400 and body["error"]["param"] == HEADER, body
+        assert "max_conversation_bytes=16384" in body["error"]["message"], body
+        client = make_client("alice")
+        keys = client.keys
+        records = [await client.redis.hgetall(keys.conversation("alice", f"a-{i}"))
+                   for i in range(served + 1)]
+        assert not records[-1]  # the refused turn recorded nothing
+        held = sum(len(f) + len(v) for record in records for f, v in record.items())
+        total = int(await client.redis.hget(keys.conversation_bytes("alice"), ":total"))
+        assert held <= 16 * 1024 and total == held
+        # Another trainer's conversations (and submits) are served.
+        await _turn(bob, policy, [USER], conversation="b-1")
+        # Once the records expire (as Redis would: their holds' time passed), alice is served again.
+        for i in range(served):
+            await client.redis.delete(keys.conversation("alice", f"a-{i}"))
+            await client.redis.zadd(keys.conversation_holds("alice"), {f"a-{i}": 1})
+        await _turn(alice, policy, [USER], conversation="a-again")
+        assert int(await client.redis.hget(keys.conversation_bytes("alice"), ":total")) < 16 * 1024 / served
+
+
+async def test_the_sdks_retry_of_a_served_turn_is_answered_with_that_turn_not_recorded_again(
+        make_gateway, make_worker, make_client, policy, monkeypatch):
+    """The openai SDK retries a 5xx with the same body (and `X-Stainless-Retry-Count: 1`): a turn
+    served and appended, whose reply was lost (a 503 after the append), is one turn, and the
+    SDK gets the recorded reply. Without the retry header the same body is a new turn."""
+    import openai
+
+    gw = await make_gateway()
+    make_worker()
+    real, failed = conversations.append, []
+
+    async def append_then_fail_once(*args, **kwargs):
+        await real(*args, **kwargs)
+        if not failed:
+            failed.append(args[2])
+            from rollq.gateway.http import ApiError
+            raise ApiError(503, "injected: the reply was lost after the turn was appended")
+
+    monkeypatch.setattr(conversations, "append", append_then_fail_once)
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.tokens["alice"], max_retries=2,
+                                  default_headers={HEADER: "r1"}) as agent:
+        first = await agent.chat.completions.create(model=policy, messages=[USER], max_tokens=4,
+                                                    extra_body={"return_token_ids": True})
+        record = await make_client("alice").conversation("r1")
+        assert failed == [first.id]  # the reply the SDK got is the turn recorded before the 503
+        assert [t.job_id for t in record.turns] == [first.id] and record.segments == [0]
+        assert record.tokens[record.turns[0].sample_start:] == first.choices[0].model_extra["token_ids"]
+        # The conversation goes on from that turn.
+        messages = [USER, first.choices[0].message, {"role": "user", "content": "more"}]
+        second = await agent.chat.completions.create(model=policy, messages=messages, max_tokens=4)
+        # An idempotency key the SDK sends again on its retries: the same key, the same turn.
+        keyed = dict(model=policy, messages=[USER], max_tokens=4, extra_headers={"Idempotency-Key": "k1"})
+        failed.clear()
+        third = await agent.chat.completions.create(**keyed)
+    record = await make_client("alice").conversation("r1")
+    assert [t.job_id for t in record.turns] == [first.id, second.id, third.id] and failed == [third.id]
+    assert [t.began for t in record.turns] == ["new", "", "edited"]

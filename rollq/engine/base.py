@@ -17,7 +17,9 @@ class Generated(NamedTuple):
     image_tokens: int = 0
     """Tokens of `prompt` that its images took."""
     prompt_drift: bool = False
-    """A chat with an exact prefix whose whole rendering would have given other ids than `prompt`."""
+    """A chat with an exact prefix whose whole rendering would have given other ids than `prompt`..."""
+    prompt_drift_at: int = -1
+    """...from this position of `prompt` on (-1: no drift)."""
 
 
 class GroupError(Exception):

@@ -27,7 +27,11 @@ log = logging.getLogger("rollq.engine.chat")
 
 CONTINUATION_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
 """A conversation that new messages of a turn follow (they come after the policy's reply):
-`rollq.client.episodes.chat_continuation` and `ChatRenderer.exact` render new messages after it."""
+`rollq.client.episodes.chat_continuation` renders new messages after it."""
+MARKER = "rollq-end-of-content-7e1f"
+"""The content of the stand-in assistant message `ChatRenderer.exact` renders new messages after:
+what the template writes after it is what follows an assistant message's content."""
+MARKED_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": MARKER})
 
 
 class ChatRenderer:
@@ -39,6 +43,7 @@ class ChatRenderer:
         self._llm = llm
         self._has_tokenizer = has_tokenizer
         self._online: Any = None
+        self._special: set[int] | None = None
         self.auto_tools = auto_tools
         self._parsers = dict(enable_auto_tools=auto_tools, tool_parser=tool_parser,
                              reasoning_parser=reasoning_parser)
@@ -79,32 +84,35 @@ class ChatRenderer:
         _, (engine_input,) = rendered
         return engine_input, request  # render_chat adjusts the request in place
 
-    async def exact(self, chat: Chat, max_tokens: int, engine_input: Any) -> tuple[Any, bool]:
+    async def exact(self, chat: Chat, max_tokens: int, engine_input: Any) -> tuple[Any, int]:
         """The engine input of a chat with an exact prefix (`Chat.prefix_tokens`): those ids, then
-        the template's continuation of the messages after `prefix_messages`; and whether
-        `engine_input` (the whole conversation rendered from text, as vLLM would) differs from it.
+        what the template writes after the assistant message they end with; and where
+        `engine_input` (the whole conversation rendered from text, as vLLM's server would prompt)
+        first differs from it (-1: nowhere, the same ids).
 
-        The continuation is `rollq.client.episodes.chat_continuation`'s, rendered here by vLLM's renderer
-        with the conversation's own tools, template and kwargs: `render(BASE + new) - render(BASE)`.
-        When the prefix already ends with the token the continuation starts with (a sample that
-        stopped on the template's end-of-turn token), that token is not repeated."""
+        What the template writes there is read off the template itself, never assumed: the new
+        messages rendered after a stand-in assistant message whose content is `MARKER`, by vLLM's
+        renderer with the conversation's own tools, template and kwargs; the text after the marker
+        is the message's closing (ChatML's `<|im_end|>\n`, Llama 3's `<|eot_id|>`, Gemma's
+        `<end_of_turn>\n`), the new messages and the generation prompt. A prefix that ends with a
+        special token the closing writes (the sampled end-of-turn token) continues after it."""
         if engine_input.get("multi_modal_data"):
             raise GroupError("a conversation with images cannot continue from exact token ids")
-        base, new = list(CONTINUATION_BASE), chat.messages[chat.prefix_messages:]
         plain = msgspec.structs.replace(chat, prefix_tokens=b"", prefix_messages=0)
-        before, _ = await self.render(msgspec.structs.replace(
-            plain, messages=base, add_generation_prompt=False), max_tokens)
-        after, _ = await self.render(msgspec.structs.replace(plain, messages=base + new), max_tokens)
-        before, after = before["prompt_token_ids"], after["prompt_token_ids"]
-        if after[:len(before)] != before:
-            raise GroupError("the chat template renders a conversation differently once messages follow "
-                             "it; its continuation after the exact prefix is not well defined")
-        prefix, continuation = unpack_tokens(chat.prefix_tokens), list(after[len(before):])
-        if continuation and continuation[0] == prefix[-1]:
-            continuation = continuation[1:]
-        ids = prefix + continuation
+        rendered, _ = await self.render(msgspec.structs.replace(
+            plain, messages=[*MARKED_BASE, *chat.messages[chat.prefix_messages:]]), max_tokens)
+        text = rendered.get("prompt")
+        if not isinstance(text, str) or text.count(MARKER) != 1:
+            raise GroupError("the chat template does not write an assistant message's content as it is "
+                             "given; the text it puts after the message is not well defined")
+        tokenizer = self._llm.renderer.tokenizer
+        after = list(tokenizer.encode(text[text.index(MARKER) + len(MARKER):], add_special_tokens=False))
+        prefix = unpack_tokens(chat.prefix_tokens)
+        if self._special is None:
+            self._special = special_ids(tokenizer)
+        ids = prefix + after_end(prefix[-1], after, tokenizer, self._special)
         exact = {k: v for k, v in engine_input.items() if k != "prompt"} | {"prompt_token_ids": ids}
-        return exact, list(engine_input["prompt_token_ids"]) != ids
+        return exact, first_difference(list(engine_input["prompt_token_ids"]), ids)
 
     def constrain(self, params: Any, request: Any) -> None:
         """What vLLM's `to_sampling_params` takes from the adjusted request: the tool-call
@@ -159,6 +167,36 @@ def _message(parser: Any, request: Any, sample: Sample, auto_tools: bool):
     if request.parallel_tool_calls is False:  # vLLM's maybe_filter_parallel_tool_calls
         calls = calls[:1]
     return content, reasoning, calls
+
+
+def after_end(last: int, after: list[int], tokenizer: Any, special: set[int]) -> list[int]:
+    """`after` (what the template writes after an assistant message's content) past the end token
+    a sample ended with (`last`): a special token the closing writes first, or after whitespace (a
+    template that writes "\n" then its end token), was sampled there and is not written twice.
+    Anything else (a sample cut by max_tokens or a stop string, or whose end token is not the one
+    the template closes with) is followed by the whole closing."""
+    if last not in special:
+        return after
+    for i, token in enumerate(after):
+        if token == last:
+            return after[i + 1:]
+        if token in special or tokenizer.decode([token]).strip():
+            break
+    return after
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """Its special tokens: the named ones (eos, ...) and the added tokens marked special (ChatML's
+    `<|im_end|>`, which many tokenizers do not name)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first position where `a` and `b` differ (one ending counts), -1 when they are equal."""
+    if a == b:
+        return -1
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def check_tools(tools: Any, field: str = "tools") -> None:

@@ -13,7 +13,8 @@ from functools import lru_cache
 from rollq.engine.base import Generated, GroupError
 import msgspec
 
-from rollq.protocol import Chat, Sample, WorkItem, pack_floats, pack_tokens
+from rollq.engine.chat import first_difference
+from rollq.protocol import Chat, Sample, WorkItem, pack_floats, pack_tokens, unpack_tokens
 
 FAIL_TOKEN = 2**31 - 7
 """A prompt starting with this token fails its group with GroupError (for tests of failures)."""
@@ -39,15 +40,15 @@ def _render(messages: list) -> bytes:
     return pack_tokens(list(b"".join(msgspec.json.encode(m) for m in messages)))
 
 
-def _chat_prompt(chat: Chat) -> tuple[bytes, bool]:
+def _chat_prompt(chat: Chat) -> tuple[bytes, int]:
     """A chat "renders" to the UTF-8 bytes of each message's JSON, one after another; with an
     exact prefix, the prompt is that prefix and then the later messages' bytes (and drifts when
-    rendering every message would not give the same)."""
+    rendering every message would not give the same: where, in tokens; -1 where it would)."""
     whole = _render(chat.messages)
     if not chat.prefix_tokens:
-        return whole, False
+        return whole, -1
     exact = chat.prefix_tokens + _render(chat.messages[chat.prefix_messages:])
-    return exact, exact != whole
+    return exact, first_difference(unpack_tokens(whole), unpack_tokens(exact))
 
 
 class InstantEngine:
@@ -76,9 +77,9 @@ class InstantEngine:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         # Text prompts "tokenize" to their UTF-8 bytes; a chat's messages, to their JSON's.
-        prompt, drift = item.prompt or pack_tokens(list(item.text.encode())), False
+        prompt, drift_at = item.prompt or pack_tokens(list(item.text.encode())), -1
         if item.chat is not None:
-            prompt, drift = _chat_prompt(item.chat)
+            prompt, drift_at = _chat_prompt(item.chat)
         if prompt[:4] == _FAIL_PREFIX:
             raise GroupError("InstantEngine: prompt starts with FAIL_TOKEN")
         max_tokens, vocab_size, version = item.sampling.max_tokens, self.vocab_size, self._version
@@ -86,7 +87,7 @@ class InstantEngine:
         samples = [Sample(pack_tokens(_tokens(crc, i, max_tokens, vocab_size)), logprobs, "length",
                           versions=[(version, 0)])
                    for i in range(item.n)]
-        return Generated(samples, prompt, prompt_drift=drift)
+        return Generated(samples, prompt, prompt_drift=drift_at >= 0, prompt_drift_at=drift_at)
 
     async def swap(self, version: int, path: str, *, interrupt: bool = False,
                    keep: bool = False) -> dict[str, float]:

@@ -327,14 +327,14 @@ class VLLMEngine:
         params = sampling_params(item.sampling, item.n)
         if (item.sampling.return_text or item.sampling.stop) and not self.has_tokenizer:
             raise GroupError("text or stop strings asked for, but this worker's model has no tokenizer")
-        chat_request, drift = None, False
+        chat_request, drift_at = None, -1
         if item.chat is not None:
             # Convert Chat (+ images) --> prompt token ids, as vLLM's server renders a chat request.
             prompt, chat_request = await self._chat.render(await self.images.chat(item),
                                                            item.sampling.max_tokens)
             self._chat.constrain(params, chat_request)
             if item.chat.prefix_tokens:  # Convert rendered prompt --> exact prefix + continuation.
-                prompt, drift = await self._chat.exact(item.chat, item.sampling.max_tokens, prompt)
+                prompt, drift_at = await self._chat.exact(item.chat, item.sampling.max_tokens, prompt)
                 self._checked(prompt["prompt_token_ids"])  # the ids came from the queue, not the template
         elif item.text:
             if not self.has_tokenizer:
@@ -371,7 +371,7 @@ class VLLMEngine:
         return Generated(samples, pack_tokens(prompt_ids),
                          _prompt_scores(final, item.sampling.prompt_logprobs,
                                         self.llm.tokenizer if params.detokenize else None),
-                         image_tokens(prompt), drift)
+                         image_tokens(prompt), drift_at >= 0, drift_at)
 
     def _checked(self, ids: list[int]) -> list[int]:
         """vLLM does not check ids against the model without a tokenizer: one id outside the

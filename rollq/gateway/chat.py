@@ -89,10 +89,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # As vLLM's server: a caller's template would run on every worker that renders it.
     refuse_template(gw.settings.trust_request_chat_template, req.chat_template_kwargs, req.chat_template)
     conversation = conversations.check_header(request.headers.get(conversations.HEADER))
-    at = conversations.Prior()
+    at, key, budget = conversations.Prior(), "", gw.settings.max_conversation_bytes
     if conversation is not None:
         check_conversation(req)
-        at = await conversations.prior(gw.client(policy, who.trainer), conversation, req.messages)
+        key, retried = conversations.request_key(request.headers, data)
+        at = await conversations.prior(gw.client(policy, who.trainer), conversation, req.messages, key=key,
+                                       retried=retried, budget=budget)
+        if at.replay:  # an HTTP retry of the last turn, served and recorded: its reply again
+            return await _replay(request, req, at.replay)
 
     async def submit(client, job_id: str, window: dict):
         async with heavy_turn(request, data):  # the images' walk and the work item's encoding
@@ -114,15 +118,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         field = "messages" if field == "chat" else field
         raise InvalidInput(field, str(e).split(": ", 1)[1]) from None
     if conversation is not None and result.status == "ok":
-        # The served turn joins the trajectory before its caller sees it.
+        # The served turn joins the trajectory, with its reply for a retry, before its caller sees it.
+        body = response(req, job_id, result, tool_choice)
         await conversations.append(gw.client(policy, who.trainer), conversation, job_id, at, req.messages,
-                                   _message(result.samples[0]), result)
+                                   _message(result.samples[0]), result, body=msgspec.json.encode(body),
+                                   key=key, budget=budget)
     if req.stream:
         tokens = [len(s.token_ids) for s in result.samples]
         return await respond(request, lambda: response(req, job_id, result, tool_choice),
                              lambda body: chat_chunks(body, req.stream_options, tokens))
     body = response(req, job_id, result, tool_choice)
     return web.Response(body=msgspec.json.encode(body), content_type=JSON)
+
+
+async def _replay(request: web.Request, req: ChatCompletionRequest, reply: bytes) -> web.StreamResponse:
+    """The recorded reply of the turn a request retries, as that turn answered it."""
+    if not req.stream:
+        return web.Response(body=reply, content_type=JSON)
+    body = msgspec.json.decode(reply)
+    tokens = [body["usage"]["completion_tokens"]]  # a conversation's turn has one choice
+    return await respond(request, lambda: body, lambda b: chat_chunks(b, req.stream_options, tokens))
 
 
 async def get_conversation(request: web.Request) -> web.Response:

@@ -209,6 +209,16 @@ class Keys:
         `names.EpisodeField`); expires `ttl_s` after its last turn began or ended."""
         return f"{self._p}:episode:{trainer}:{episode_id}"
 
+    def conversation_holds(self, trainer: str) -> str:
+        """Sorted set: the ids of a trainer's conversation records -> when each expires (unix s);
+        with `conversation_bytes`, its conversation budget (`rollq/conversations.py`)."""
+        return f"{self._p}:conversation-holds:{trainer}"
+
+    def conversation_bytes(self, trainer: str) -> str:
+        """Hash: each of a trainer's conversation records (its id) -> its bytes, and under
+        ":total" (not an id: ids have no colon) their sum."""
+        return f"{self._p}:conversation-bytes:{trainer}"
+
     def conversation(self, trainer: str, conversation_id: str) -> str:
         """Hash: an agent conversation's exact trajectory (`names.ConversationField`), written by
         the gateway once per served chat turn that names it; expires an hour after its last turn."""

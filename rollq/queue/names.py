@@ -179,12 +179,17 @@ class ConversationField(StrEnum):
     MESSAGES = "messages"
     """msgpack: the last turn's messages and the assistant message it was answered with."""
     TURNS = "turns"
-    """Per turn: '1' (it continued the last segment) or '0' (it began a segment), then a 4-byte
-    length and the msgpack of the turn as `rollq.conversations.Turn`."""
+    """Per turn: '1' (it continued the last segment), '0' (it began a segment: rendered whole) or
+    '2' (it began one: the segment it continued had grown meanwhile), then a 4-byte length and
+    the msgpack of the turn as `rollq.conversations.Turn`."""
     JOBS = "jobs"
     """The job id of every turn appended, each between spaces: a turn sent again is not appended."""
     DRIFT = "drift"
     """Turns whose prompt, rendered from the text, would have differed from the exact one."""
+    REQUEST = "request"
+    """The key of the last turn's request (`conversations.request_key`)..."""
+    REPLY = "reply"
+    """...and the reply it was answered with (JSON): what a retry of it is answered with."""
 
 
 STATUS_COUNTERS = tuple(JobField(s) for s in get_args(Status))

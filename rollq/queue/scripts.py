@@ -22,7 +22,7 @@ from rollq.queue.names import lua_preamble
 NAMES = ("enqueue", "finish", "renew", "reclaim", "release", "ack", "cancel", "publish", "pin",
          "retire", "episode_start", "episode_turn", "episode_apply", "episode_end",
          "episode_unsubmitted", "episode_owner", "route_prune", "store_images", "trainer_prune",
-         "results_expire", "conversation_append", "score_requeue", "score_pick")
+         "results_expire", "conversation_append", "conversation_held", "score_requeue", "score_pick")
 
 
 @cache
@@ -65,6 +65,7 @@ class Scripts:
     trainer_prune: AsyncScript
     results_expire: AsyncScript
     conversation_append: AsyncScript
+    conversation_held: AsyncScript
     score_requeue: AsyncScript
     score_pick: AsyncScript
 

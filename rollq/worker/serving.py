@@ -142,6 +142,7 @@ class GroupServer:
         partial["prompt"] = generated.prompt
         return GroupResult(status="ok", samples=generated.samples, prompt_scores=generated.prompt_scores,
                            image_tokens=generated.image_tokens, prompt_drift=generated.prompt_drift,
+                           prompt_drift_at=generated.prompt_drift_at,
                            queued_s=max(0.0, started - item.submitted_at),
                            generation_s=time.time() - started, finished_at=time.time(), **partial)
 
