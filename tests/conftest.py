@@ -24,7 +24,8 @@ from rollq.worker.build import build_worker
 from rollq.worker.loop import Worker
 from rollq.children import stop_child
 from vllm_servers import SHARED, SHARED_FIXTURES, ModuleGroups, module_seconds
-from vllm_servers import chat_engine, chat_model, chat_server, hermes_engine, tool_model  # noqa: F401
+from vllm_servers import (chat_engine, chat_model, chat_server, hermes_engine, hermes_server,  # noqa: F401
+                          tool_model)
 
 
 # --- the run's slowest tests and its total, printed last (after pytest's own summary line) -----

@@ -115,8 +115,23 @@ SCRIPTS = {
     "<|broken|>": ['<tool_call>{"name": "get_weather", "arguments": {"city": "Par</tool_call>'],
     # a pythonic call (vLLM's `pythonic` parser)
     "<|pythonic|>": ["[get_weather(", "city='Paris'", ")]"],
+    # Real chat templates' families (`FAMILY_TEMPLATES`), each started by the last token of its
+    # generation prompt and ended by its own end-of-turn token (a stop token of the model's
+    # generation config, as in the models these templates come from).
+    # ChatML / Qwen3: thinks, then one hermes call, then <|im_end|>
+    "assistant\n": ["<think>\n", "Paris then", " Tokyo.", "\n</think>\n\n", "<tool_call>\n",
+                    '{"name": "get_weather", "arguments": {"city": "Lyon"}}', "\n</tool_call>", "<|im_end|>"],
+    # Llama 3: one call, then <|eot_id|>
+    "\n\n": ['<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', "<|eot_id|>"],
+    # Gemma: one call, then <end_of_turn>
+    "model\n": ['<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>',
+                "<end_of_turn>"],
 }
-TOOL_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", *SCRIPTS]
+END_TOKENS = ["<|im_end|>", "<|eot_id|>", "<end_of_turn>"]
+"""Stop tokens of the tool model besides </s> (its generation config's `eos_token_id`)."""
+TOOL_SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
+                 "<|end_header_id|>", "<|eot_id|>", "<start_of_turn>", "<end_of_turn>",
+                 *(start for start in SCRIPTS if start.startswith("<|"))]
 TOOL_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
@@ -131,12 +146,84 @@ TOOL_TEMPLATE = (
 )
 
 
+# Templates of three families, as their models' templates render (tools in the system prompt,
+# tool calls in the hermes format the tool model spells), for requests' `chat_template`.
+QWEN3_TEMPLATE = (
+    # Qwen3's: ChatML, each message closed by "<|im_end|>\n"; tools in the system prompt; an
+    # assistant message's thinking (from its content's <think>...</think>) kept only after the last
+    # user query; tool results as <tool_response> in a user turn.
+    "{%- if tools %}{{- '<|im_start|>system\n# Tools\n\n<tools>' }}{%- for tool in tools %}"
+    "{{- '\n' }}{{- tool | tojson }}{%- endfor %}{{- '\n</tools><|im_end|>\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string and not "
+    "(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.content is string %}{%- set content = message.content %}{%- else %}"
+    "{%- set content = '' %}{%- endif %}"
+    "{%- if message.role == 'user' or message.role == 'system' %}"
+    "{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set reasoning_content = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1]"
+    ".lstrip('\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n'"
+    " + content.lstrip('\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\n' + content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if (loop.first and content) or (not loop.first) %}{{- '\n' }}{%- endif %}"
+    "{%- set call = tool_call.function %}"
+    "{{- '<tool_call>\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    "{%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}"
+    "{%- endif %}"
+    "{{- '}\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+_CALLS = ("{%- for tc in m.tool_calls or [] %}{{- '<tool_call>{\"name\": \"' + tc.function.name + "
+          "'\", \"arguments\": ' }}{%- if tc.function.arguments is string %}{{- tc.function.arguments }}"
+          "{%- else %}{{- tc.function.arguments | tojson }}{%- endif %}{{- '}</tool_call>' }}{%- endfor %}")
+LLAMA3_TEMPLATE = (
+    # Llama 3's: a header per message, each closed by <|eot_id|> alone; tool results as `ipython`.
+    "{{- bos_token }}"
+    "{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\n\nTools: ' }}{{- tools | tojson }}"
+    "{{- '<|eot_id|>' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + ('ipython' if m.role == 'tool' else m.role) + '<|end_header_id|>\n\n' }}"
+    "{%- if m.tool_calls %}" + _CALLS + "{%- else %}{{- m.content }}{%- endif %}{{- '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+GEMMA_TEMPLATE = (
+    # Gemma's: turns closed by "<end_of_turn>\n" (text after the special end token); the
+    # assistant is `model`, tool results come as user turns.
+    "{{- bos_token }}"
+    "{%- if tools %}{{- '<start_of_turn>user\nTools: ' }}{{- tools | tojson }}{{- '<end_of_turn>\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{{- '<start_of_turn>' + ('model' if m.role == 'assistant' else 'user') + '\n' }}"
+    "{%- if m.tool_calls %}" + _CALLS + "{%- else %}{{- m.content }}{%- endif %}{{- '<end_of_turn>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
+FAMILY_TEMPLATES = {"qwen3": QWEN3_TEMPLATE, "llama3": LLAMA3_TEMPLATE, "gemma": GEMMA_TEMPLATE}
+
+
 def make_tool_model(path: Path) -> Path:
     """A Llama whose argmax chain spells `SCRIPTS`, with a byte-level BPE tokenizer trained here
-    (`make_scripted_model`)."""
+    (`make_scripted_model`); `END_TOKENS` stop it too, as its generation config says."""
     corpus = [" ".join(piece for pieces in SCRIPTS.values() for piece in pieces),
               '{"type": "object", "properties": {"city": {"type": "string"}}} The weather in a city.']
-    return make_scripted_model(path, SCRIPTS, TOOL_SPECIALS, TOOL_TEMPLATE, corpus, 360)
+    return make_scripted_model(path, SCRIPTS, TOOL_SPECIALS, TOOL_TEMPLATE, corpus, 360, stops=END_TOKENS)
 
 
 # A thinking model: deepseek_r1's and qwen3's <think> ... </think>, as added (non-special) tokens.
@@ -163,7 +250,7 @@ def make_reasoning_model(path: Path) -> Path:
 
 
 def make_scripted_model(path: Path, scripts: dict[str, list[str]], specials: list[str], template: str,
-                        corpus: list[str], bpe_vocab: int) -> Path:
+                        corpus: list[str], bpe_vocab: int, stops: list[str] = ()) -> Path:
     """A Llama whose argmax chain spells `scripts`, with a byte-level BPE tokenizer trained here.
 
     Attention and MLP outputs are zero, so each position's logits depend on its own token only:
@@ -182,8 +269,8 @@ def make_scripted_model(path: Path, scripts: dict[str, list[str]], specials: lis
     core.train_from_iterator(corpus, trainers.BpeTrainer(
         vocab_size=bpe_vocab, special_tokens=specials, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    pieces = [p for ps in scripts.values() for p in ps]
-    core.add_tokens([AddedToken(p, normalized=False, special=False) for p in pieces])
+    pieces = [p for ps in [*scripts.values(), list(scripts)] for p in ps if p not in specials]
+    core.add_tokens([AddedToken(p, normalized=False, special=False) for p in dict.fromkeys(pieces)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
                                         unk_token="<unk>", chat_template=template)
     tokenizer.save_pretrained(path)
@@ -208,5 +295,7 @@ def make_scripted_model(path: Path, scripts: dict[str, list[str]], specials: lis
                 head[b, a] = 1.0
             head[eos, ids[-1]] = 1.0
         model.lm_head.weight.copy_(head)
+    if stops:  # vLLM stops on every eos_token_id of the generation config
+        model.generation_config.eos_token_id = [eos, *tokenizer.convert_tokens_to_ids(list(stops))]
     model.save_pretrained(path)
     return path

@@ -17,9 +17,10 @@ import json
 import aiohttp
 import openai
 import pytest
-from models import WEATHER_TOOL
+from models import FAMILY_TEMPLATES, WEATHER_TOOL
 
 from rollq.conversations import HEADER
+from rollq.engine.chat import first_difference
 
 USER = {"role": "user", "content": "What is the weather in Paris and Tokyo?"}
 SAMPLING = dict(tools=[WEATHER_TOOL], max_tokens=48, temperature=0, logprobs=True,
@@ -27,8 +28,9 @@ SAMPLING = dict(tools=[WEATHER_TOOL], max_tokens=48, temperature=0, logprobs=Tru
 
 
 @pytest.fixture(scope="module")
-def tool_engine(hermes_engine):
-    """The session's tool model engine with the hermes parser, shared with test_tools_vllm."""
+def tool_engine(hermes_server, hermes_engine):
+    """The session's tool model engine with the hermes parser, shared with test_tools_vllm (and
+    started while vLLM's server, the reference, starts)."""
     return hermes_engine
 
 
@@ -149,3 +151,77 @@ async def gw_conversation(gw, policy: str, conversation: str) -> dict:
             http.get(f"/v1/policies/{policy}/conversations/{conversation}") as r:
         assert r.status == 200
         return await r.json()
+
+
+END = {"qwen3": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>"}
+"""Each family's end-of-turn token, which the tool model samples to end its reply."""
+AFTER_END = {"qwen3": "\n<|im_start|>", "llama3": "<|start_header_id|>", "gemma": "\n<start_of_turn>"}
+CITY = {"qwen3": "Lyon", "llama3": "Oslo", "gemma": "Rome"}
+
+
+def _as_sent(message) -> dict:
+    return message if isinstance(message, dict) else message.model_dump(exclude_none=True)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+async def test_each_turn_continues_with_exactly_what_the_template_writes_after_the_reply(
+        family, make_gateway, make_worker, make_client, tool_engine, hermes_server, policy):
+    """Acceptance (issue 42): a 4-turn tool conversation through the unchanged openai SDK on a real
+    family's template (tools in the system prompt, hermes calls; Qwen3's keeps an assistant
+    message's thinking only after the last user query). Each turn's prompt is the last prompt,
+    the sampled ids (ending with the family's end token), then exactly the text the template
+    writes after that end token (Hugging Face's rendering of the same messages). vLLM's server
+    prompts the same ids except where its rendering differs (Qwen3 once a user message follows:
+    it drops the thinking the policy sampled), and the drift reported is exactly those turns,
+    with the position."""
+    from transformers import AutoTokenizer
+
+    template = FAMILY_TEMPLATES[family]
+    tokenizer = AutoTokenizer.from_pretrained(tool_engine.llm.model_config.tokenizer)
+    theirs = await hermes_server.ready()
+    make_worker(engine=tool_engine, max_inflight=8, max_inflight_seqs=32)
+    gw = await make_gateway(trust_request_chat_template=True)
+    shared = dict(tools=[WEATHER_TOOL], temperature=0, chat_template=template)
+    prompts, sampled, rendered, sent = [], [], [], []
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.tokens["alice"], max_retries=0,
+                                  default_headers={HEADER: family}) as agent, aiohttp.ClientSession() as http:
+        messages: list = [USER]
+        for turn in range(4):
+            reply = await agent.chat.completions.create(
+                model=policy, messages=messages, tools=shared["tools"], temperature=0, max_tokens=48,
+                extra_body={"return_token_ids": True, "chat_template": template})
+            sent.append([_as_sent(m) for m in messages])
+            body = dict(model="tiny", messages=sent[-1], max_tokens=1, return_token_ids=True, **shared)
+            async with http.post(f"{theirs}/v1/chat/completions", json=body) as r:
+                rendered.append((await r.json())["prompt_token_ids"])
+            prompts.append(reply.model_extra["prompt_token_ids"])
+            sampled.append(reply.choices[0].model_extra["token_ids"])
+            message = reply.choices[0].message
+            assert [json.loads(c.function.arguments) for c in message.tool_calls] == [{"city": CITY[family]}]
+            result = f"sunny in {CITY[family]}"
+            messages += [message, *({"role": "tool", "tool_call_id": c.id, "content": result}
+                                    for c in message.tool_calls)]
+            if turn == 2:
+                messages.append({"role": "user", "content": "And tomorrow?"})
+
+    end = tokenizer.convert_tokens_to_ids(END[family])
+    for k in range(1, 4):
+        before = prompts[k - 1] + sampled[k - 1]
+        assert sampled[k - 1][-1] == end and prompts[k][:len(before)] == before
+        whole = tokenizer.apply_chat_template(sent[k], tools=[WEATHER_TOOL], chat_template=template,
+                                              tokenize=False, add_generation_prompt=True)
+        # The reply's end in the template's own rendering: its end token after its (last) call.
+        at = whole.index(END[family], whole.rindex("</tool_call>")) + len(END[family])
+        assert whole[at:].startswith(AFTER_END[family])
+        assert prompts[k][len(before):] == tokenizer.encode(whole[at:], add_special_tokens=False)
+
+    record = await make_client("alice").conversation(family)
+    assert record.segments == [0] and [t.continued for t in record.turns] == [False, True, True, True]
+    assert record.tokens == prompts[-1] + sampled[-1]
+    where = [first_difference(theirs, ours) for theirs, ours in zip(rendered, prompts)]
+    assert where == ([-1, -1, -1, len(prompts[0])] if family == "qwen3" else [-1] * 4)
+    assert [t.drift_at for t in record.turns] == where  # one segment: positions in its tokens
+    assert [t.drift for t in record.turns] == [w >= 0 for w in where]
+    assert record.drift == sum(w >= 0 for w in where)
+    if family != "qwen3":  # a chat whose re-rendering is exact: vLLM's server's prompts, token for token
+        assert prompts == rendered and record.drift == 0

@@ -16,9 +16,8 @@ import pytest
 from models import WEATHER_TOOL
 from streams import join, sse
 from test_chat_vllm import assert_same
-from vllm_servers import TOOL_MAX_MODEL_LEN, VLLMServer
+from vllm_servers import TOOL_MAX_MODEL_LEN
 
-PARSER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 MAX_MODEL_LEN = TOOL_MAX_MODEL_LEN
 USER = {"role": "user", "content": "What is the weather in Paris and Tokyo?"}
 CALLS = [{"id": f"call_{i}", "type": "function",
@@ -56,11 +55,10 @@ REFUSED = {
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tool_model, tmp_path_factory):
-    server = VLLMServer(tool_model, tmp_path_factory.mktemp("vllm-tools") / "server.log", *PARSER_FLAGS,
-                        max_model_len=MAX_MODEL_LEN)
-    yield server
-    server.close()
+def vllm_server(hermes_server):
+    """The session's vLLM server on the tool model (tests/vllm_servers.py, shared with
+    test_conversations_vllm)."""
+    return hermes_server
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,10 @@ SHARED = {
 }
 """Module -> the group of modules that run in one test process (`make test`)."""
 SHARED_FIXTURES = {"chat_server": "chat-model", "chat_engine": "chat-model",
-                   "hermes_engine": "tool-model-hermes"}
+                   "hermes_engine": "tool-model-hermes", "hermes_server": "tool-model-hermes"}
 """The session fixtures below that start a vLLM server or engine -> the group that shares it."""
 TOOL_MAX_MODEL_LEN = 2048
+HERMES_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
@@ -166,6 +167,15 @@ def tool_model(tmp_path_factory) -> Path:
     from models import make_tool_model
 
     return make_tool_model(tmp_path_factory.mktemp("tool-model") / "m")
+
+
+@pytest.fixture(scope="session")
+def hermes_server(tool_model, tmp_path_factory):
+    """vLLM's server on the tool model with its hermes tool parser (`HERMES_FLAGS`)."""
+    server = VLLMServer(tool_model, tmp_path_factory.mktemp("vllm-tools") / "server.log", *HERMES_FLAGS,
+                        max_model_len=TOOL_MAX_MODEL_LEN)
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="session")
