@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -46,6 +46,8 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"
 RETRY_HEADER = "X-Stainless-Retry-Count"
 """The openai SDK's: how many times it has sent this request before (its retries)."""
 MAX_KEY_CHARS = 256
+UNBOUNDED = 2**62
+"""The budget of a writer that has none (a script's numbers are doubles: exact to 2**53 and past)."""
 
 
 class Turn(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -63,58 +65,56 @@ class Turn(msgspec.Struct, array_like=True, omit_defaults=True):
     """...from this position of its prompt on."""
 
 
-class TrajectoryTurn(msgspec.Struct, kw_only=True):
-    """One served chat request (a retry answered from the record is not one)."""
+def _doc(kind: Any, description: str) -> Any:
+    """A field's type with its description, which `/openapi.json` shows (msgspec's schema)."""
+    return Annotated[kind, msgspec.Meta(description=description)]
 
-    job_id: str
-    """The id of its reply (`chatcmpl-...`)."""
-    segment: int
-    """Index into `Trajectory.segments` of the segment the turn belongs to."""
-    continued: bool
-    """It continued its segment's exact ids (False: it began a segment, see `began`)."""
-    began: str
-    """Why it began a segment: "" (it did not: continued), "new" (the conversation's first turn),
-    "edited" (its messages did not extend the last turn's messages and reply: a history edited,
-    cut or resampled), "overtaken" (it extended the record as it was when it started, but another
-    turn was appended before it finished: two requests at once, or a retry of a turn still
-    being served)."""
-    prompt_start: int
-    """Its prompt is `tokens[prompt_start:sample_start]` (its segment's start: a continued turn's
-    prompt holds every turn of the segment before it)..."""
-    sample_start: int
-    """...and it sampled `tokens[sample_start:end]`."""
-    end: int
-    tool_calls: list[dict[str, Any]]
-    """Its reply's parsed tool calls as the reply had them (`id`, `type`, `function` with `name`
-    and `arguments`, a JSON string): the ids tool messages answer with `tool_call_id`."""
-    finish_reason: str
-    """The engine's: "stop" (an end token or stop string) or "length"; the reply says
-    "tool_calls" where this says "stop" and the turn called tools."""
-    drift: bool
-    """vLLM's rendering of the turn's messages (what its server would have prompted with) has
-    other ids than the exact prompt..."""
-    drift_at: int
-    """...from `tokens[drift_at]` on (the first differing position; -1 without drift)."""
+
+class TrajectoryTurn(msgspec.Struct, kw_only=True):
+    """One served chat request of the conversation (a retry answered from the record is not one)."""
+
+    job_id: _doc(str, "The id of its reply (`chatcmpl-...`).")
+    segment: _doc(int, "Index into `segments` of the segment the turn belongs to.")
+    continued: _doc(bool, "It continued its segment's exact ids (false: it began a segment, see `began`).")
+    began: _doc(str, 'Why it began a segment: "" (it did not: continued), "new" (the conversation\'s first '
+                     'turn), "edited" (its messages did not extend the last turn\'s messages and reply: a '
+                     'history edited, cut or sampled again), "overtaken" (it extended the record as it was '
+                     "when it started, but another turn was appended before it finished: two requests at "
+                     "once, or a client's retry of a turn still being served).")
+    prompt_start: _doc(int, "Its prompt is `tokens[prompt_start:sample_start]`: its segment's start, so a "
+                            "continued turn's prompt holds every turn of the segment before it.")
+    sample_start: _doc(int, "It sampled `tokens[sample_start:end]`.")
+    end: _doc(int, "The end of what it sampled (the next turn's new tokens begin here).")
+    tool_calls: _doc(list[dict[str, Any]], "Its reply's parsed tool calls as the reply had them (`id`, "
+                                           "`type`, `function` with `name` and `arguments`, a JSON string): "
+                                           "the ids tool messages answer with `tool_call_id`.")
+    finish_reason: _doc(str, 'The engine\'s: "stop" (an end token or a stop string) or "length"; the reply '
+                             'said "tool_calls" where this says "stop" and the turn called tools.')
+    drift: _doc(bool, "vLLM's rendering of the turn's messages (what its server would have prompted "
+                      "with) has other ids than the exact prompt.")
+    drift_at: _doc(int, "Where it drifted: the index in `tokens` of the first prompt token that vLLM's "
+                        "rendering has another id for (or ends before); -1 without drift.")
 
 
 class Trajectory(msgspec.Struct, kw_only=True):
-    """A conversation's whole token sequence, for training on exactly what the policy saw and did."""
+    """An agent conversation's whole token sequence (`GET .../conversations/{id}`), for training
+    on exactly what the policy saw and did."""
 
     conversation_id: str
-    tokens: list[int]
-    mask: list[int]
-    """1 where the policy sampled the token."""
-    logprobs: list[float | None]
-    """Behaviour logprob of each sampled token (null where the policy did not sample it)."""
-    token_versions: list[int]
-    """The policy version that sampled each token (-1 elsewhere)."""
-    segments: list[int]
-    """Where each rendered segment starts in `tokens`: a new one begins when a request's history
-    did not extend the conversation (edited), and is not a continuation of the one before."""
+    tokens: _doc(list[int], "Every turn's prompt as the engine saw it (a continued turn adds only what "
+                            "the conversation did not hold yet), then its sampled tokens.")
+    mask: _doc(list[int], "1 where the policy sampled the token, 0 elsewhere.")
+    logprobs: _doc(list[float | None], "Behaviour logprob of each sampled token; null where the policy "
+                                       "did not sample it (mask 0).")
+    token_versions: _doc(list[int], "The policy version that sampled each token; -1 where it did not.")
+    segments: _doc(list[int], "Where each segment starts in `tokens`. A segment is one exact sequence; a "
+                              "new one begins when a turn did not continue the last (its `began` says "
+                              "why), and is no continuation of the one before: train on each as its "
+                              "own sequence.")
     turns: list[TrajectoryTurn]
-    drift: int
-    """How many turns drifted: whose prompt vLLM's rendering of their messages would have given
-    other ids (the exact path avoided it); which, and where, in `turns[i].drift_at`."""
+    drift: _doc(int, "A count: how many turns drifted (vLLM's rendering of their messages would have "
+                     "prompted other ids; the exact path avoided it). Which ones, and where: "
+                     "`turns[i].drift`, `turns[i].drift_at`.")
 
 
 # --- which messages extend the conversation ---------------------------------------------------
@@ -218,10 +218,11 @@ def _over_budget(trainer: str, held: int, adds: int, budget: int) -> InvalidInpu
 
 
 async def append(client: Any, conversation_id: str, job_id: str, at: Prior, messages: list[dict[str, Any]],
-                 reply: dict[str, Any], result: GroupResult, *, body: bytes, key: str, budget: int) -> None:
+                 reply: dict[str, Any], result: GroupResult, *, body: bytes = b"", key: str = "",
+                 budget: int | None = None) -> None:
     """Record one served turn (one sample: conversations take n=1) and its reply's `body` (sent
     again to a retry with `key`); sent again, a no-op. InvalidInput (nothing recorded) when the
-    trainer's records would hold more than `budget` bytes with it."""
+    trainer's records would hold more than `budget` bytes with it (None: no budget)."""
     [sample] = result.samples
     turn = msgspec.msgpack.encode(Turn(job_id, len(result.prompt) // 4, len(sample.tokens) // 4,
                                        sample.tool_calls, result.prompt_drift, sample.finish_reason,
@@ -234,7 +235,7 @@ async def append(client: Any, conversation_id: str, job_id: str, at: Prior, mess
         args=[job_id, len(at.prefix_tokens) // 4 if at.prefix_tokens else -1, result.prompt, sample.tokens,
               sample.logprobs, pack_tokens(_token_versions(sample)), int(result.prompt_drift),
               msgspec.msgpack.encode([*messages, reply]), len(turn).to_bytes(4, "little") + turn, TTL_S,
-              conversation_id, budget, key, body])
+              conversation_id, UNBOUNDED if budget is None else budget, key, body])
     if Reply(answer[0].decode()) is Reply.BYTES:
         raise _over_budget(trainer, int(answer[1]), int(answer[2]), budget)
 

@@ -271,3 +271,24 @@ async def test_the_sdks_retry_of_a_served_turn_is_answered_with_that_turn_not_re
     record = await make_client("alice").conversation("r1")
     assert [t.job_id for t in record.turns] == [first.id, second.id, third.id] and failed == [third.id]
     assert [t.began for t in record.turns] == ["new", "", "edited"]
+
+
+async def test_a_streamed_retry_gets_the_recorded_turn_as_chunks(make_gateway, make_worker, make_client,
+                                                                 policy):
+    from streams import sse
+
+    gw = await make_gateway()
+    make_worker()
+    body = dict(model=policy, messages=[USER], max_tokens=3, stream=True)
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http:
+        url, own = f"{gw.url}/v1/chat/completions", gw.headers("alice") | {HEADER: "s2"}
+        first = await sse(http, url, body, own)
+        again = await sse(http, url, body, own | {conversations.RETRY_HEADER: "1"})
+        other = await sse(http, url, body, own)  # the same body, not a retry: a new turn
+    def timeless(chunks):  # the stream and the recorded reply are built apart: each has its own clock
+        return [c | {"created": 0} if isinstance(c, dict) else c for c in chunks]
+
+    assert timeless(again) == timeless(first) and len(first) > 2
+    record = await make_client("alice").conversation("s2")
+    assert [t.job_id for t in record.turns] == [first[0]["id"], other[0]["id"]]
+    assert [t.began for t in record.turns] == ["new", "edited"]
