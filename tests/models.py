@@ -216,6 +216,11 @@ GEMMA_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
 )
 FAMILY_TEMPLATES = {"qwen3": QWEN3_TEMPLATE, "llama3": LLAMA3_TEMPLATE, "gemma": GEMMA_TEMPLATE}
+CHATML_TEMPLATE = (
+    # Plain ChatML (Qwen2.5's without tools): every message as it is, closed by "<|im_end|>\n".
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
 
 
 def make_tool_model(path: Path) -> Path:

@@ -17,7 +17,7 @@ import json
 import aiohttp
 import openai
 import pytest
-from models import FAMILY_TEMPLATES, WEATHER_TOOL
+from models import CHATML_TEMPLATE, FAMILY_TEMPLATES, WEATHER_TOOL
 
 from rollq.conversations import HEADER
 from rollq.engine.chat import first_difference
@@ -225,3 +225,32 @@ async def test_each_turn_continues_with_exactly_what_the_template_writes_after_t
     assert record.drift == sum(w >= 0 for w in where)
     if family != "qwen3":  # a chat whose re-rendering is exact: vLLM's server's prompts, token for token
         assert prompts == rendered and record.drift == 0
+
+
+async def test_a_plain_chatml_chat_prompts_as_vllms_server_and_does_not_drift(
+        make_gateway, make_worker, make_client, tool_engine, hermes_server, policy):
+    """Issue 42's plain chat: three turns of a ChatML conversation without tools, whose rendering
+    gives back the sampled ids. rollq's exact prompts (the sampled `<|im_end|>`, then the
+    template's newline) are vLLM's server's, token for token, and nothing is counted as drift."""
+    theirs = await hermes_server.ready()
+    make_worker(engine=tool_engine, max_inflight=8, max_inflight_seqs=32)
+    gw = await make_gateway(trust_request_chat_template=True)
+    prompts, rendered = [], []
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.tokens["alice"], max_retries=0,
+                                  default_headers={HEADER: "plain"}) as agent, \
+            aiohttp.ClientSession() as http:
+        messages: list = [USER]
+        for question in ("And in Lyon?", "Thanks!", "Bye."):
+            reply = await agent.chat.completions.create(
+                model=policy, messages=messages, temperature=0, max_tokens=48,
+                extra_body={"return_token_ids": True, "chat_template": CHATML_TEMPLATE})
+            prompts.append(reply.model_extra["prompt_token_ids"])
+            body = dict(model="tiny", messages=[_as_sent(m) for m in messages], max_tokens=1, temperature=0,
+                        return_token_ids=True, chat_template=CHATML_TEMPLATE)
+            async with http.post(f"{theirs}/v1/chat/completions", json=body) as r:
+                rendered.append((await r.json())["prompt_token_ids"])
+            messages += [reply.choices[0].message, {"role": "user", "content": question}]
+    record = await make_client("alice").conversation("plain")
+    assert prompts == rendered
+    assert record.drift == 0 and [t.continued for t in record.turns] == [False, True, True]
+    assert record.tokens[:len(prompts[-1])] == prompts[-1]
