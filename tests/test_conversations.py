@@ -6,6 +6,8 @@ show it. tests/test_conversations_vllm.py runs a tool conversation through vLLM.
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import msgspec
 import pytest
@@ -292,3 +294,37 @@ async def test_a_streamed_retry_gets_the_recorded_turn_as_chunks(make_gateway, m
     record = await make_client("alice").conversation("s2")
     assert [t.job_id for t in record.turns] == [first[0]["id"], other[0]["id"]]
     assert [t.began for t in record.turns] == ["new", "edited"]
+
+
+async def test_a_retry_after_the_client_gave_up_on_a_slow_turn_is_one_turn(
+        make_gateway, make_worker, make_client, policy):
+    """The SDK gives up on a slow reply (its timeout drops the connection) and sends the request
+    again while the first is still being generated: the gateway cancels a request whose client
+    went away (`handler_cancellation`), so the first is never recorded, and the retry is the one
+    turn, the reply the SDK returns."""
+    import openai
+
+    from rollq.engine.instant import InstantEngine
+
+    class Gated(InstantEngine):  # the first group waits until the retry's group has come
+        def __init__(self):
+            super().__init__()
+            self.gate, self.groups = asyncio.Event(), 0
+
+        async def generate_group(self, item):
+            self.groups += 1
+            if self.groups == 2:
+                self.gate.set()
+            await self.gate.wait()
+            return await super().generate_group(item)
+
+    engine = Gated()
+    gw = await make_gateway()
+    make_worker(engine=engine)
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=gw.tokens["alice"], max_retries=1,
+                                  timeout=1.5, default_headers={HEADER: "slow"}) as agent:
+        reply = await agent.chat.completions.create(model=policy, messages=[USER], max_tokens=4)
+    await asyncio.sleep(0.5)  # the first group's end, had it been recorded
+    record = await make_client("alice").conversation("slow")
+    assert engine.groups == 2
+    assert [t.job_id for t in record.turns] == [reply.id] and record.segments == [0]
