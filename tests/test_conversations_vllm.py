@@ -7,7 +7,14 @@ mask, logprobs and versions per token. On this template re-rendering drifts: the
 call's arguments back as a JSON string (`"arguments": "{\\"city\\": ...}"`) where the policy sampled
 an object, and closes the reply with `<|im_end|>` where it sampled `</s>`; the test counts the turns
 whose rendering (the same request without the header: vLLM's rendering) would have differed and
-checks the reported drift against that count.
+checks the reported drift against that count (the exact prompt keeps the sampled `</s>` and then
+writes the template's whole closing, `<|im_end|>\n`: `</s>` is not the end token it closes with).
+
+Issue 42's acceptance, on real families' templates given per request (`FAMILY_TEMPLATES`,
+`CHATML_TEMPLATE`) with vLLM's own server on the same model as the reference: each turn continues
+with exactly what the template writes after the sampled end token, prompts equal vLLM's server's
+where its re-rendering is exact, and the drift counts exactly the turns where it is not, with the
+position.
 """
 
 from __future__ import annotations
