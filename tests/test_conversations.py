@@ -328,3 +328,24 @@ async def test_a_retry_after_the_client_gave_up_on_a_slow_turn_is_one_turn(
     record = await make_client("alice").conversation("slow")
     assert engine.groups == 2
     assert [t.job_id for t in record.turns] == [reply.id] and record.segments == [0]
+
+
+def test_the_templates_closing_goes_on_after_the_sampled_end_token_only():
+    """`after_end` (what follows the exact prefix): a sample that ended on the special token the
+    template's closing writes first (or after whitespace) continues after it; any other ending
+    (a length cut, another special token) is followed by the whole closing. The vLLM tests run
+    it on real templates; here, the cases one by one."""
+    from rollq.engine.chat import after_end
+
+    class Words:
+        names = {1: "<end>", 2: "\n", 3: "<start>", 4: "user", 5: "hi"}
+
+        def decode(self, ids):
+            return "".join(self.names[i] for i in ids)
+
+    special, closing = {1, 3}, [1, 2, 3, 4]  # "<end>\n<start>user"
+    assert after_end(1, closing, Words(), special) == [2, 3, 4]  # sampled <end>: "\n" follows
+    assert after_end(5, closing, Words(), special) == closing  # cut by max_tokens: all of it
+    assert after_end(3, closing, Words(), special) == closing  # not the end token it closes with
+    assert after_end(1, [2, 1, 3], Words(), special) == [3]  # "\n<end>": the end was sampled for both
+    assert after_end(1, [4, 1, 3], Words(), special) == [4, 1, 3]  # text first: nothing assumed
