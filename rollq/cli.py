@@ -218,6 +218,7 @@ _GATEWAY_OPTIONS: dict[str, dict] = {
     "max_reply_bytes": dict(envvar="ROLLQ_GATEWAY_MAX_REPLY_BYTES"),
     "body_bytes_in_flight": dict(envvar="ROLLQ_GATEWAY_BODY_BYTES_IN_FLIGHT"),
     "trust_request_chat_template": dict(flag="--trust-request-chat-template"),
+    "return_tokens_as_token_ids": dict(flag="--return-tokens-as-token-ids"),
 }
 
 
