@@ -68,7 +68,11 @@ MAX_STRUCTURED_BYTES = 64 * 1024
 it into a grammar per request, at a cost that grows faster than its size (xgrammar 0.2.8, a flat
 schema: 22 KB 0.12 s, 90 KB 1.05 s, 226 KB 8.9 s of CPU, on a loaded box)."""
 MAX_LOGIT_BIAS = 4096
-"""Token ids in `sampling.logit_bias`: the engine applies them to every sampling step."""
+"""Token ids in `sampling.logit_bias`: the engine applies them to every sampling step. A
+constraint on the field's type (`LogitBias`), so a longer one is refused as it decodes, before
+anything walks its entries (msgpack: from its length, before any entry is read)."""
+LogitBias = Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)]
+"""The OpenAI routes' `logit_bias` (token ids as strings, vLLM's)."""
 MAX_JSON_NESTING = 64
 """Objects and arrays nested in a structured-output JSON schema: vLLM 0.32's own limit
 (`MAX_STRUCTURED_OUTPUT_JSON_NESTING`), 16 more in a structural tag, which wraps its schemas."""
@@ -225,7 +229,7 @@ class Sampling(msgspec.Struct, **_WIRE):
     structured_outputs: StructuredOutputs | None = None
     """Constrain every sample to a JSON schema, a regex, a choice or a grammar (vLLM's
     `SamplingParams.structured_outputs`); None: unconstrained."""
-    logit_bias: dict[int, float] | None = None
+    logit_bias: Annotated[dict[int, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     """Added to the logits of these token ids before sampling (vLLM's `SamplingParams.logit_bias`;
     the engine clamps each to [-100, 100])."""
     token_ranks: bool = False
