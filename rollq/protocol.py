@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 from msgspec import Meta
 
-from rollq.grammar import nullable_repetition
+from rollq.grammar import Refused, StructuralTag, is_lark, nullable_repetition
 
 # --- Limits: explicit, checked on the client before encoding and on the worker before use. ---
 MAX_N = 1024
@@ -655,18 +655,79 @@ def validate_structured_outputs(so: StructuredOutputs, field: str = "sampling.st
             raise InvalidInput(f"{field}.regex", "must not contain a NUL character")
         validate_regex(value, f"{field}.regex")
     if name == "grammar":
-        try:
-            hazard = nullable_repetition(value)
-        except RecursionError:
-            raise InvalidInput(f"{field}.grammar", "nests parentheses too deeply") from None
-        if hazard:
-            raise InvalidInput(f"{field}.grammar", f"repeats something that can match nothing ({hazard}), "
-                                                   "which costs the engine time that grows with every token; "
-                                                   "make each repeated part match at least one character")
+        _check_grammar(value, f"{field}.grammar")
     if name in ("json", "structural_tag"):
         _check_nesting(value, f"{field}.{name}", MAX_JSON_NESTING + (16 if name == "structural_tag" else 0))
+        spec = msgspec.json.decode(value) if isinstance(value, str) else value  # (valid: checked above)
+        if name == "json":
+            _check_schema(spec, f"{field}.json")
+        else:
+            try:
+                tags = StructuralTag(_tag_regex, _check_grammar, _check_schema)
+                tags.check(spec, f"{field}.structural_tag")
+            except Refused as e:
+                raise InvalidInput(e.field, e.why) from None
     if so.whitespace_pattern is not None:
         validate_regex(so.whitespace_pattern, f"{field}.whitespace_pattern")
+
+
+def _check_grammar(grammar: str, field: str) -> None:
+    """An EBNF (GBNF) grammar that repeats nothing that can match nothing; Lark refused."""
+    if is_lark(grammar):  # (vLLM's own test: no line with `::=`)
+        raise InvalidInput(field, "is a Lark grammar (no `::=` rule), which rollq does not check for "
+                                  "what would cost the engine without bound; write it in GBNF "
+                                  "(`root ::= ...`)")
+    try:
+        hazard = nullable_repetition(grammar)
+    except RecursionError:
+        raise InvalidInput(field, "nests parentheses too deeply") from None
+    if hazard:
+        raise InvalidInput(field, f"repeats something that can match nothing ({hazard}), which costs "
+                                  "the engine time that grows with every token; make each repeated "
+                                  "part match at least one character")
+
+
+def _tag_regex(regex: str, field: str) -> bool:
+    """A structural tag's regex, checked as `structured_outputs.regex` is; whether it matches
+    the empty string (a part that can match nothing, see `grammar.StructuralTag`)."""
+    if len(regex) > MAX_REGEX_CHARS:
+        raise InvalidInput(field, f"has {len(regex)} characters; the limit is {MAX_REGEX_CHARS}")
+    if "\x00" in regex:
+        raise InvalidInput(field, "must not contain a NUL character")
+    validate_regex(regex, field)
+    try:
+        return re.fullmatch(regex, "") is not None
+    except re.error:  # (parsed above; compiled differently: count it as empty, the stricter)
+        return True
+
+
+_SCHEMA_VALUES = frozenset({"const", "enum", "default", "examples"})
+"""JSON schema keywords whose values are data, not schemas: no `pattern` in them is a regex."""
+
+
+def _check_schema(schema: Any, field: str) -> None:
+    """Every regex a JSON schema holds (`pattern`, `patternProperties`' names), checked as
+    `structured_outputs.regex` is: xgrammar turns each into grammar rules. Level by level
+    (nesting is bounded before: `_check_nesting`)."""
+    level = [(schema, field)]
+    while level:
+        below = []
+        for node, where in level:
+            if isinstance(node, list):
+                below += [(child, f"{where}[{i}]") for i, child in enumerate(node)]
+                continue
+            if not isinstance(node, dict):
+                continue
+            for key, value in node.items():
+                here = f"{where}.{key}"[:200]
+                if key == "pattern" and isinstance(value, str):
+                    _tag_regex(value, here)
+                elif key == "patternProperties" and isinstance(value, dict):
+                    for regex in value:
+                        _tag_regex(regex, f"{here}[{regex[:40]!r}]")
+                if key not in _SCHEMA_VALUES:
+                    below.append((value, here))
+        level = below
 
 
 def validate_logit_bias(bias: dict[int, float], field: str = "sampling.logit_bias") -> None:
@@ -715,6 +776,10 @@ def _check_chat(chat: Chat, field: str, size: int) -> None:
             chat.tool_choice not in ("none", "auto", "required"):
         raise InvalidInput(f"{field}.tool_choice", f'is {chat.tool_choice!r}: "none", "auto", "required" '
                                                    'or {"type": "function", "function": {"name": ...}}')
+    for i, tool in enumerate(chat.tools or ()):
+        function = tool.get("function")
+        if isinstance(function, dict):  # vLLM turns these into grammars (a named tool_choice, ...)
+            _check_schema(function.get("parameters"), f"{field}.tools[{i}].function.parameters")
     if chat.add_generation_prompt and chat.continue_final_message:
         raise InvalidInput(f"{field}.continue_final_message",
                            "excludes add_generation_prompt (set add_generation_prompt to false)")
