@@ -229,11 +229,12 @@ def test_a_chat_tools_parameters_are_checked_as_schemas():
     """A named tool_choice (and some tool parsers) makes vLLM constrain to a tool's parameters."""
     from rollq.protocol import Chat, validate_chat
 
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+    tools = [{"type": "function", "function": {"name": "e"}},  # (no parameters)
+             {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "pattern": "[a-z]+"}}}}},
              {"type": "function", "function": {"name": "g", "parameters": {
                  "type": "object", "properties": {"x": NESTED}}}}]
     with pytest.raises(InvalidInput, match="nested repetition") as e:
         validate_chat(Chat([{"role": "user", "content": "hi"}], tools=tools))
-    assert e.value.field == "chat.tools[1].function.parameters.properties.x.pattern"
-    validate_chat(Chat([{"role": "user", "content": "hi"}], tools=tools[:1]))
+    assert e.value.field == "chat.tools[2].function.parameters.properties.x.pattern"
+    validate_chat(Chat([{"role": "user", "content": "hi"}], tools=tools[:2]))
