@@ -232,3 +232,19 @@ def test_a_file_opened_as_its_version_is_retired_and_written_over_is_refused(
             copy_version(entry, tmp_path / "snapshot")
     assert once  # (the interleaving happened)
 
+
+
+def test_a_file_a_writer_holds_is_refused_at_once_not_waited_for(published):
+    """A reader never waits on a writer's lock (a planted lock must not hang a publish helper)."""
+    import fcntl
+
+    from rollq.registry.store import open_version_file
+
+    held = os.open(published / "model.safetensors", os.O_WRONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(WeightError, match="locked by a writer"):
+            open_version_file(published / "model.safetensors")
+    finally:
+        os.close(held)
+    os.close(open_version_file(published / "model.safetensors"))  # once released: read

@@ -170,8 +170,8 @@ def open_version_file(path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise WeightError(f"{path.name}: being written over (a retired version's file, "
-                              "reused by the store); publish from a registered version") from None
+            raise WeightError(f"{path.name}: locked by a writer (a file being written over: in the store, "
+                              "a retired version's, reused by the next); read it once written") from None
         except OSError:  # no locks here (see above)
             pass
         now = os.stat(path, follow_symlinks=False)
