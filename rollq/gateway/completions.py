@@ -23,8 +23,8 @@ from rollq import __version__
 from rollq.gateway.http import ApiError
 from rollq.gateway.streaming import StreamOptions
 from rollq.gateway.structured import logit_bias_of, structured_outputs_of
-from rollq.protocol import (MAX_JOB_GROUPS, MAX_PROMPT_TOKENS, GroupResult, InvalidInput, Sample, Sampling,
-                            SwapMode, VersionWindow, unpack_floats, unpack_tokens)
+from rollq.protocol import (MAX_JOB_GROUPS, MAX_PROMPT_TOKENS, GroupResult, InvalidInput, LogitBias, Sample,
+                            Sampling, SwapMode, VersionWindow, unpack_floats, unpack_tokens)
 from rollq.queue.connection import Backoff
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
@@ -59,7 +59,7 @@ class OpenAIRequest(VersionWindow, kw_only=True, forbid_unknown_fields=True):
     echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     # rollq's own: how long to wait (and the version window, inherited).
     timeout_s: float = 600.0

@@ -34,8 +34,9 @@ from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body
 from rollq.gateway.state import GATEWAY
 from rollq.gateway.structured import logit_bias_of, structured_outputs_of
 from rollq.gateway.trl_compat import policy_of
-from rollq.protocol import (MAX_PROMPT_TOKENS, GroupResult, GroupSize, InvalidInput, Sample, Sampling,
-                            SwapMode, TokenId, VersionWindow, typed, unpack_tokens, validate_sampling)
+from rollq.protocol import (MAX_PROMPT_TOKENS, GroupResult, GroupSize, InvalidInput, LogitBias, Sample,
+                            Sampling, SwapMode, TokenId, VersionWindow, typed, unpack_tokens,
+                            validate_sampling)
 from rollq.queue.keys import Keys
 from rollq.queue.workers import live_workers, max_model_len
 
@@ -68,7 +69,7 @@ class GenerateSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
 
 
 _SP_DEFAULTS = GenerateSamplingParams()
