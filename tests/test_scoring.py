@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from collections import Counter
 from pathlib import Path
@@ -16,8 +17,13 @@ from helpers import collect, wait_until
 import scoring_fixtures
 
 from rollq.protocol import InvalidInput
+from rollq.queue.connection import connect
+from rollq.queue.keys import Keys
 from rollq.scoring import Completion
+from rollq.scoring.pool import ChildPool
 from rollq.scoring.records import live_scorers
+from rollq.scoring.rewards import find_rewards
+from rollq.scoring.scorer import Scorer
 
 spawn_scorer = scoring_fixtures.spawn_scorer
 
@@ -267,3 +273,48 @@ async def test_sigterm_hands_held_groups_back_at_once(make_client, spawn_worker,
     spawn_scorer(lease_s=60, env={"ROLLQ_TEST_SLOW_S": "0"})
     results = await collect(client, 2, timeout_s=20)
     assert sorted((r.job_id, r.group_index, r.status) for r in results) == [(job, 0, "ok"), (job, 1, "ok")]
+
+
+async def test_a_lease_renewal_that_overlaps_a_requeue_leaves_the_scorer_scoring(
+        make_client, make_worker, redis_url, policy, caplog):
+    """Dynamic sampling's requeue takes a held entry off the scorer's pending list, as a finish
+    and a hand-back do: a renewal whose round trip overlaps it must leave the requeue's own
+    reply to decide (issue 43: it took the requeue for a take-over, looked the ended group up
+    and the KeyError ended the scorer within seconds). In process, so that every renewal can
+    be slowed by 50 ms (a slow network), which makes the overlap certain at a 1 s lease."""
+    make_worker(max_inflight=16)
+    redis = connect(redis_url)
+    scorer = Scorer(redis, Keys(policy), find_rewards(scoring_fixtures.REWARDS),
+                    ChildPool(scoring_fixtures.REWARDS, 1), scorer_id="s-renew", lease_s=1.0,
+                    max_inflight=16)
+    renew = scorer.queue.renew
+
+    async def slow_renew(held):
+        await asyncio.sleep(0.05)
+        return await renew(held)
+    scorer.queue.renew = slow_renew
+    caplog.set_level(logging.WARNING, logger="rollq.scorer")
+    running = asyncio.create_task(scorer.run())
+    try:
+        client = make_client()
+        await wait_until(lambda: _live(client, "s-renew"), timeout_s=60, what="the scorer's beat")
+        jobs = [await client.submit([[j + 1, g + 1] for g in range(10)], n=2, reward="same_if",
+                                    reward_inputs=["same"] * 10, dynamic_sampling=3,
+                                    sampling={"max_tokens": 2}) for j in range(4)]
+        taking = asyncio.create_task(collect(client, 40, timeout_s=90))
+        await asyncio.wait([taking, running], return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            taking.cancel()
+            await asyncio.gather(taking, return_exceptions=True)
+            pytest.fail(f"the scorer ended: {running.exception()!r}")
+        results = await taking
+        assert Counter((r.job_id, r.group_index, r.status) for r in results) == Counter(
+            (job, g, "filtered") for job in jobs for g in range(10))
+        for job in jobs:
+            status = await client.status(job)
+            assert (status.filtered, status.resampled, status.done) == (10, 30, 10)
+        assert not [r.getMessage() for r in caplog.records if "taken over" in r.getMessage()]
+    finally:
+        scorer.stop()
+        await asyncio.wait_for(asyncio.gather(running, return_exceptions=True), 30)
+        await redis.aclose()

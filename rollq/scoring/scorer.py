@@ -127,11 +127,14 @@ class Scorer:
             try:
                 held = [c for c, _ in self._held.values() if not c.settling]
                 for c in await self.queue.renew(held) if held else []:
-                    if c.settling:
-                        continue  # its finish raced the renewal; the finish's reply decides
+                    found = self._held.get(c.key)
+                    # Settling: its finish, hand-back or requeue raced the renewal, and that
+                    # call's reply decides. Not held: its task ended while we renewed.
+                    if c.settling or found is None or found[0] is not c:
+                        continue
                     log.warning("lease of group %s/%s was taken over; dropping it", c.job_id, c.group_index)
                     c.taken_over = True
-                    self._held[c.key][1].cancel()
+                    found[1].cancel()
                 await self._hand_back_unheld()
                 await self._beat()
             except RedisError as e:
