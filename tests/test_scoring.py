@@ -318,3 +318,36 @@ async def test_a_lease_renewal_that_overlaps_a_requeue_leaves_the_scorer_scoring
         scorer.stop()
         await asyncio.wait_for(asyncio.gather(running, return_exceptions=True), 30)
         await redis.aclose()
+
+
+async def test_a_non_finite_reward_is_an_error_with_its_reason_sync_and_async_alike(
+        make_client, spawn_worker, spawn_scorer):
+    """NaN and infinities are no rewards (no advantage comes from them): the sample gets None and
+    the reason, and `reward_errors="fail"` fails the group, whether the reward runs in a child
+    (JSON wrote NaN as null: None with no reason, not counted) or in the scorer's loop (NaN
+    went to the trainer). Issue 43. 1e308 is finite: delivered as is."""
+    client = make_client()
+    spawn_worker()
+    scorer = spawn_scorer(processes=1, lease_s=3)  # beats every second
+    await wait_until(lambda: _live(client, scorer.scorer_id), timeout_s=60, what="the scorer's beat")
+    cases = [(name, value, on_error) for name in ("weight", "aweight")
+             for value, on_error in (("nan", "skip"), ("inf", "skip"), ("-inf", "fail"), ("1e308", "fail"))]
+    jobs = {await client.submit([[3, 4]], n=2, reward=name, reward_inputs=[value], reward_errors=on_error,
+                                sampling={"max_tokens": 2}): (name, value, on_error)
+            for name, value, on_error in cases}
+    by_case = {jobs[r.job_id]: r for r in await collect(client, len(cases), timeout_s=60)}
+    for (name, value, on_error), r in by_case.items():
+        if value == "1e308":
+            assert (r.status, r.rewards, r.reward_errors) == ("ok", [1e308, 0.5], [])
+            continue
+        why = f"ValueError: returned {float(value)!r}: a reward must be a finite number"
+        assert (r.rewards, r.reward_errors) == ([None, 0.5], [why, ""]), (name, value)
+        if on_error == "fail":
+            assert (r.status, r.reason) == ("failed", f"reward {name!r} failed on sample 0: {why}")
+        else:
+            assert r.status == "ok"
+
+    async def counted():
+        [state] = await live_scorers(client.redis, client.keys)
+        return state.reward_errors == 6 and state.scored == 8
+    await wait_until(counted, what="the scorer's beat counting six reward errors")
