@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
 import signal
+import time
 from collections import Counter
 from pathlib import Path
 
+import aiohttp
 import pytest
 from redis.exceptions import ResponseError
 import scoring_rewards
@@ -21,7 +25,7 @@ from rollq.queue.connection import connect
 from rollq.queue.keys import Keys
 from rollq.scoring import Completion
 from rollq.scoring.pool import ChildPool
-from rollq.scoring.records import live_scorers
+from rollq.scoring.records import JobTally, Tally, add_tally, live_scorers
 from rollq.scoring.rewards import find_rewards
 from rollq.scoring.scorer import Scorer
 
@@ -351,3 +355,52 @@ async def test_a_non_finite_reward_is_an_error_with_its_reason_sync_and_async_al
         [state] = await live_scorers(client.redis, client.keys)
         return state.reward_errors == 6 and state.scored == 8
     await wait_until(counted, what="the scorer's beat counting six reward errors")
+
+
+
+def _strict_json(body: str):
+    """What a browser's JSON.parse accepts: no NaN, Infinity or -Infinity."""
+    def refuse(word):
+        raise ValueError(f"{word} in the JSON")
+    return json.loads(body, parse_constant=refuse)
+
+
+async def test_the_dashboard_is_valid_json_whatever_the_tallies_hold(make_gateway, make_client, policy):
+    """Tallies of non-finite sums (an older scorer's NaN, or two rewards of 1e308 whose sum
+    overflows) read back at the gateway's start and as they come: /api/dashboard stays JSON a
+    browser parses, the figures that are not numbers shown as null (issue 43: one NaN broke the
+    dashboard for every observer of every policy, also after a gateway restart)."""
+    client = make_client()  # (its Redis connection adds the tallies)
+    bad = [JobTally("nan", "j1", {"ok": 1}, rewards=2, total=math.nan, squares=math.nan, scored=1,
+                    reward_s=math.nan),
+           JobTally("big", "j2", {"ok": 1}, rewards=2, total=1e308 * 2, squares=math.inf, scored=1,
+                    reward_s=0.01)]
+    buckets = [0] * 15
+    await add_tally(client.redis, client.keys, Tally("old-scorer", time.time() - 60, bad, buckets))
+    gw = await make_gateway(policies=[policy])
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
+        async def scoring():
+            async with http.get("/api/dashboard") as r:
+                assert r.status == 200
+                found = _strict_json(await r.text())["policies"].get(policy)
+            return found and found["scoring"]
+
+        async def shows(*trainers):
+            found = await scoring()
+            return bool(found) and set(trainers) <= set(found["series"]["rewards"]) | set(found["trainers"])
+        await wait_until(lambda: shows("nan", "big"), what="the tallies read back")
+        # As they come, in the per-second series too.
+        await add_tally(client.redis, client.keys, Tally("s", time.time(), bad, buckets))
+
+        async def shows_live():
+            found = await scoring()
+            return {"nan", "big"} <= set(found["series"]["rewards"])
+        await wait_until(shows_live, what="the new tallies in the series")
+        found = await scoring()
+        async with http.get("/metrics") as r:  # Prometheus' text has NaN and +Inf: written as such
+            assert r.status == 200
+            assert f'rollq_reward_stddev{{policy="{policy}",trainer="nan"}} NaN' in await r.text()
+    figures = found["trainers"]
+    assert (figures["nan"]["mean"], figures["nan"]["std"], figures["nan"]["rewards"]) == (None, None, 4)
+    assert (figures["big"]["mean"], figures["big"]["std"]) == (None, None)
+    assert set(found["series"]["rewards"]["nan"]["mean"]) == {None}
