@@ -226,6 +226,7 @@ async def test_a_malformed_scoring_entry_is_dead_lettered_and_a_cancelled_job_en
     junk, first, second = results
     assert junk.status == "failed" and junk.reason.startswith("scoring entry does not decode")
     assert (first.status, second.status) == ("ok", "cancelled")  # scored before the cancel, after
+    assert (second.samples, second.reason) == ([], "job cancelled")  # as every cancelled result
     [(_, dead)] = await client.redis.xrange(client.keys.dead)
     assert dead[b"stream"].decode() == stream and dead[b"item"] == b"not a score item"
     status = await client.status(job)
@@ -243,14 +244,21 @@ async def test_over_sampling_delivers_exactly_k_and_cancels_the_rest(make_client
         await client.submit([[i + 1] for i in range(10)], n=2, reward="count", deliver=11)
     job = await client.submit([[i + 1] for i in range(10)], n=2, reward="count",
                               reward_inputs=list(range(10)), deliver=3, sampling={"max_tokens": 2})
-    results = await collect(client, 10, timeout_s=60)
-    assert sorted(r.group_index for r in results) == list(range(10))
-    ok = [r for r in results if r.status == "ok"]
+    every = await client.submit([[i + 1] for i in range(2)], n=2, reward="count",
+                                reward_inputs=[0, 1], deliver=2, sampling={"max_tokens": 2})
+    results = await collect(client, 12, timeout_s=60)
+    assert sorted(r.group_index for r in results if r.job_id == job) == list(range(10))
+    ok = [r for r in results if r.status == "ok" and r.job_id == job]
     assert len(ok) == 3 and {r.status for r in results} == {"ok", "cancelled"}
     for r in ok:
         assert r.rewards == _expected("count", r, r.group_index)
+    assert all(r.samples == [] for r in results if r.status == "cancelled")
+    # It delivered all it was asked: `done`, as a trainer waiting for its jobs expects (issue 43:
+    # it ended `cancelled`, also with deliver = groups), its other groups `cancelled`.
     status = await client.status(job)
-    assert (status.state, status.ok, status.cancelled, status.done) == ("cancelled", 3, 7, 10)
+    assert (status.state, status.ok, status.cancelled, status.done) == ("done", 3, 7, 10)
+    status = await client.status(every)
+    assert (status.state, status.ok, status.done) == ("done", 2, 2)
     assert await client.redis.hlen(client.keys.picked("trainer", job)) == 3
     assert not await client.take(1, timeout_s=0.5)
 

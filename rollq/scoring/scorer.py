@@ -203,8 +203,9 @@ class Scorer:
         # or a later one) is still delivered: its scorer died before writing it.
         if ((await self.queue.job_states([c])).get(c.key) is JobState.CANCELLED
                 and not (spec.deliver is not None and await self.queue.picked(c))):
-            return msgspec.structs.replace(result, status="cancelled", reason="job cancelled",
-                                           scorer_id=self.scorer_id), ""
+            # Without its samples, as every `cancelled` result (the worker's carry none).
+            return msgspec.structs.replace(result, status="cancelled", reason="job cancelled", samples=[],
+                                           prompt_scores=None, scorer_id=self.scorer_id), ""
         found = self.rewards.get(spec.reward)
         if found is None:  # another scorer may offer it: a delivery counted, so it ends
             await self.queue.release([c], error=f"scorer {self.scorer_id} does not offer reward "
