@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import math
@@ -16,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from redis.exceptions import ResponseError
+from rich.console import Console
 import scoring_rewards
 from helpers import collect, wait_until
 import scoring_fixtures
@@ -28,6 +30,7 @@ from rollq.scoring.pool import ChildPool
 from rollq.scoring.records import JobTally, Tally, add_tally, live_scorers
 from rollq.scoring.rewards import find_rewards
 from rollq.scoring.scorer import Scorer
+from rollq.status import policy_status, render
 
 spawn_scorer = scoring_fixtures.spawn_scorer
 
@@ -68,15 +71,27 @@ async def _settled(client, job: str, groups: int) -> None:
     assert (await client.redis.xpending(stream, "workers"))["pending"] == 0
 
 
-async def test_rewards_equal_the_function_called_directly_and_unknown_is_refused(
-        make_client, spawn_worker, spawn_scorer):
+async def test_a_scored_submit_before_any_scorer_waits_for_one_and_rewards_are_the_functions(
+        make_client, spawn_worker, spawn_scorer, policy):
+    """A queue takes work before its consumers start: a scored submit before any scorer is live
+    is queued, generated, shown waiting to be scored (`rollq status`), and scored once a scorer
+    starts (issue 43: it was refused). A reward no live scorer offers is refused only while
+    a scorer started with --refuse-unoffered is live (the operator said so)."""
     client = make_client()
-    with pytest.raises(InvalidInput, match="offers 'count'; on offer: none: no scorer is running"):
-        await client.submit([[1]], n=2, reward="count", reward_inputs=[0])
     spawn_worker()
-    scorer = spawn_scorer()
-    await wait_until(lambda: _live(client, scorer.scorer_id), timeout_s=60, what="the scorer's beat")
-    with pytest.raises(InvalidInput, match=r"offers 'nope'; on offer: acount \(v3\), boom .*count \(v7\)"):
+    early = await client.submit([[1, 2]], n=2, reward="count", reward_inputs=[5], sampling={"max_tokens": 3})
+
+    async def waiting():
+        return [(q.trainer, q.waiting) for q in (await policy_status(client.redis, policy)).scoring] \
+            == [("trainer", 1)]
+    await wait_until(waiting, what="the generated group waiting for a scorer")
+    shown = Console(file=io.StringIO(), width=200)
+    render(await policy_status(client.redis, policy), shown)
+    assert "no live scorer: 1 generated groups wait to be scored" in shown.file.getvalue()
+    scorer = spawn_scorer(refuse_unoffered=True)
+    [r] = await collect(client, 1, timeout_s=60)
+    assert (r.job_id, r.status, r.rewards) == (early, "ok", _expected("count", r, 5))
+    with pytest.raises(InvalidInput, match=r"offers 'nope'; on offer: acount \(v3\), .*count \(v7\)"):
         await client.submit([[1]], n=2, reward="nope")
     with pytest.raises(InvalidInput, match="reward_inputs.*2 entries for 3 groups"):
         await client.submit([[1], [2], [3]], n=2, reward="count", reward_inputs=[1, 2])
