@@ -410,7 +410,8 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
                    "gateway, worker and Redis kills; every served turn looked for in its record.")
 @click.option("--scorers", type=int, default=None,
               help="The queue run: `rollq scorer` processes (killed and frozen too) scoring a third "
-                   "of the jobs; 0: no scored jobs [default: 2].")
+                   "of the jobs (plain, dynamic sampling and over-sampling); 0: no scored jobs "
+                   "[default: 2].")
 @click.option("--seed", type=int, default=None, help="Random seed (printed; default: random).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the summary here.")
@@ -420,10 +421,12 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
 def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, scorers: int | None,
           seed: int | None, json_path: str | None, workdir: str | None) -> None:
     """Random worker and scorer kills and freezes, Redis restarts and killed connections while a
-    trainer submits (a third of its jobs scored) and publishes (or, with --weights, weight
-    faults); exits non-zero if any group was lost or delivered twice or a scored one came with a
-    wrong reward (--weights: or any token was labelled with the wrong version;
-    --episodes: or any turn was lost, applied twice, or left an episode running)."""
+    trainer submits (a third of its jobs scored, with dynamic sampling and over-sampling) and
+    publishes (or, with --weights, weight faults); exits non-zero if any group was lost or
+    delivered twice, a scored one came with a wrong reward, an over-sampled job delivered more
+    than asked or did not end done, or a scorer ended by itself (--weights: or any token was
+    labelled with the wrong version; --episodes: or any turn was lost, applied twice, or left an
+    episode running)."""
     import msgspec
 
     workers = workers if workers is not None else (2 if weights else 3)
