@@ -15,6 +15,8 @@ $(BIN)/python:
 
 setup: $(BIN)/python system-packages
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	@# verifiers' renderers client for the tests, without openai-harmony: see pyproject.toml's test extras.
+	$(BIN)/pip install -q --no-deps "renderers==0.1.12"
 	@# PyPI's torchvision/torchaudio break `import transformers` beside the CPU torch; vLLM's
 	@# text-only path needs neither.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

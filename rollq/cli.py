@@ -218,6 +218,7 @@ _GATEWAY_OPTIONS: dict[str, dict] = {
     "max_reply_bytes": dict(envvar="ROLLQ_GATEWAY_MAX_REPLY_BYTES"),
     "body_bytes_in_flight": dict(envvar="ROLLQ_GATEWAY_BODY_BYTES_IN_FLIGHT"),
     "trust_request_chat_template": dict(flag="--trust-request-chat-template"),
+    "return_tokens_as_token_ids": dict(flag="--return-tokens-as-token-ids"),
 }
 
 
@@ -271,12 +272,20 @@ def gateway(policies: tuple[str, ...] | None, weight_store: str | None,
 @click.option("--scorer-id", envvar="ROLLQ_SCORER_ID", default=None, help="Default: host-pid-random.")
 @click.option("--processes", default=2, show_default=True, help="Child processes for sync rewards.")
 @click.option("--max-inflight", default=16, show_default=True, help="Groups scored at once.")
-@click.option("--lease-s", default=30.0, show_default=True)
+@click.option("--lease-s", default=30.0, show_default=True,
+              help="Seconds a held group stays this scorer's without a renewal (renewed every "
+                   "lease/3): the groups of a scorer that is killed or frozen wait this long before "
+                   "another scorer takes them. At least 1.")
 @click.option("--grace-s", default=10.0, show_default=True, help="Shutdown: time to finish held groups.")
 @click.option("--max-deliveries", type=int, default=None,
               help="Deliveries before a group fails. Default: 5 (scoring.scorer.MAX_DELIVERIES: why).")
+@click.option("--refuse-unoffered", is_flag=True,
+              help="While this scorer is live, refuse a scored submit whose reward no live scorer "
+                   "offers (a misspelt name fails at submit). Without it such a job is queued and "
+                   "waits for a scorer that offers its reward, as one submitted before any scorer.")
 def scorer(redis_url: str, policy: str, target: str, scorer_id: str | None, processes: int,
-           max_inflight: int, lease_s: float, grace_s: float, max_deliveries: int | None) -> None:
+           max_inflight: int, lease_s: float, grace_s: float, max_deliveries: int | None,
+           refuse_unoffered: bool) -> None:
     """Score generated groups of scored jobs with the operator's reward functions."""
     from rollq.protocol import check_id
     from rollq.scoring.scorer import MAX_DELIVERIES, serve
@@ -290,7 +299,7 @@ def scorer(redis_url: str, policy: str, target: str, scorer_id: str | None, proc
     scorer_id = check_id("scorer_id", scorer_id or default_worker_id())
     asyncio.run(serve(redis_url, check_id("policy", policy), target, scorer_id=scorer_id,
                       processes=processes, max_inflight=max_inflight, lease_s=lease_s, grace_s=grace_s,
-                      max_deliveries=max_deliveries))
+                      max_deliveries=max_deliveries, refuse_unoffered=refuse_unoffered))
 
 
 @main.command()
@@ -402,7 +411,8 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
                    "gateway, worker and Redis kills; every served turn looked for in its record.")
 @click.option("--scorers", type=int, default=None,
               help="The queue run: `rollq scorer` processes (killed and frozen too) scoring a third "
-                   "of the jobs; 0: no scored jobs [default: 2].")
+                   "of the jobs (plain, dynamic sampling and over-sampling); 0: no scored jobs "
+                   "[default: 2].")
 @click.option("--seed", type=int, default=None, help="Random seed (printed; default: random).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the summary here.")
@@ -412,10 +422,12 @@ def acl(policy: str, user: str, worker: bool, publisher: bool) -> None:
 def chaos(minutes: float, workers: int | None, weights: bool, episodes: bool, scorers: int | None,
           seed: int | None, json_path: str | None, workdir: str | None) -> None:
     """Random worker and scorer kills and freezes, Redis restarts and killed connections while a
-    trainer submits (a third of its jobs scored) and publishes (or, with --weights, weight
-    faults); exits non-zero if any group was lost or delivered twice or a scored one came with a
-    wrong reward (--weights: or any token was labelled with the wrong version;
-    --episodes: or any turn was lost, applied twice, or left an episode running)."""
+    trainer submits (a third of its jobs scored, with dynamic sampling and over-sampling) and
+    publishes (or, with --weights, weight faults); exits non-zero if any group was lost or
+    delivered twice, a scored one came with a wrong reward, an over-sampled job delivered more
+    than asked or did not end done, or a scorer ended by itself (--weights: or any token was
+    labelled with the wrong version; --episodes: or any turn was lost, applied twice, or left an
+    episode running)."""
     import msgspec
 
     workers = workers if workers is not None else (2 if weights else 3)

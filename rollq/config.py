@@ -250,6 +250,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     trust_request_chat_template: bool = False
     """Let chat requests bring their own Jinja `chat_template` (vLLM's flag of the same name): a
     template runs on the workers, and a slow one takes their CPU until vLLM's render timeout."""
+    return_tokens_as_token_ids: bool = False
+    """Name each token of a reply's logprobs `token_id:N` (vLLM's server flag of the same name):
+    the default of chat and completion requests that leave `return_tokens_as_token_ids` out (a
+    request's true or false wins), and on `/inference/v1/generate` a `token` of that form beside
+    each `token_id` (verifiers' `renderers` client reads it there)."""
     max_reply_bytes: int = 16 * 1024 * 1024
     """A batch of results stops at this many bytes encoded (it has at least one result); the
     stream reads as few results at a time. One trainer's `count=1024` of big groups would

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 from msgspec import Meta
 
-from rollq.grammar import nullable_repetition
+from rollq.grammar import Refused, StructuralTag, is_lark, nullable_repetition
 
 # --- Limits: explicit, checked on the client before encoding and on the worker before use. ---
 MAX_N = 1024
@@ -68,7 +68,11 @@ MAX_STRUCTURED_BYTES = 64 * 1024
 it into a grammar per request, at a cost that grows faster than its size (xgrammar 0.2.8, a flat
 schema: 22 KB 0.12 s, 90 KB 1.05 s, 226 KB 8.9 s of CPU, on a loaded box)."""
 MAX_LOGIT_BIAS = 4096
-"""Token ids in `sampling.logit_bias`: the engine applies them to every sampling step."""
+"""Token ids in `sampling.logit_bias`: the engine applies them to every sampling step. A
+constraint on the field's type (`LogitBias`), so a longer one is refused as it decodes, before
+anything walks its entries (msgpack: from its length, before any entry is read)."""
+LogitBias = Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)]
+"""The OpenAI routes' `logit_bias` (token ids as strings, vLLM's)."""
 MAX_JSON_NESTING = 64
 """Objects and arrays nested in a structured-output JSON schema: vLLM 0.32's own limit
 (`MAX_STRUCTURED_OUTPUT_JSON_NESTING`), 16 more in a structural tag, which wraps its schemas."""
@@ -225,7 +229,7 @@ class Sampling(msgspec.Struct, **_WIRE):
     structured_outputs: StructuredOutputs | None = None
     """Constrain every sample to a JSON schema, a regex, a choice or a grammar (vLLM's
     `SamplingParams.structured_outputs`); None: unconstrained."""
-    logit_bias: dict[int, float] | None = None
+    logit_bias: Annotated[dict[int, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     """Added to the logits of these token ids before sampling (vLLM's `SamplingParams.logit_bias`;
     the engine clamps each to [-100, 100])."""
     token_ranks: bool = False
@@ -653,18 +657,86 @@ def validate_structured_outputs(so: StructuredOutputs, field: str = "sampling.st
             raise InvalidInput(f"{field}.regex", "must not contain a NUL character")
         validate_regex(value, f"{field}.regex")
     if name == "grammar":
-        try:
-            hazard = nullable_repetition(value)
-        except RecursionError:
-            raise InvalidInput(f"{field}.grammar", "nests parentheses too deeply") from None
-        if hazard:
-            raise InvalidInput(f"{field}.grammar", f"repeats something that can match nothing ({hazard}), "
-                                                   "which costs the engine time that grows with every token; "
-                                                   "make each repeated part match at least one character")
+        _check_grammar(value, f"{field}.grammar")
     if name in ("json", "structural_tag"):
         _check_nesting(value, f"{field}.{name}", MAX_JSON_NESTING + (16 if name == "structural_tag" else 0))
+        spec = msgspec.json.decode(value) if isinstance(value, str) else value  # (valid: checked above)
+        if name == "json":
+            _check_schema(spec, f"{field}.json")
+        else:
+            try:
+                tags = StructuralTag(_tag_regex, _check_grammar, _check_schema)
+                tags.check(spec, f"{field}.structural_tag")
+            except Refused as e:
+                raise InvalidInput(e.field, e.why) from None
     if so.whitespace_pattern is not None:
         validate_regex(so.whitespace_pattern, f"{field}.whitespace_pattern")
+
+
+def _check_grammar(grammar: str, field: str) -> None:
+    """An EBNF (GBNF) grammar that repeats nothing that can match nothing; Lark refused."""
+    if is_lark(grammar):  # (vLLM's own test: no line with `::=`)
+        raise InvalidInput(field, "is a Lark grammar (no `::=` rule), which rollq does not check for "
+                                  "what would cost the engine without bound; write it in GBNF "
+                                  "(`root ::= ...`)")
+    try:
+        hazard = nullable_repetition(grammar)
+    except RecursionError:
+        raise InvalidInput(field, "nests parentheses too deeply") from None
+    if hazard:
+        raise InvalidInput(field, f"repeats something that can match nothing ({hazard}), which costs "
+                                  "the engine time that grows with every token; make each repeated "
+                                  "part match at least one character")
+
+
+def _tag_regex(regex: str, field: str) -> bool:
+    """A structural tag's regex, checked as `structured_outputs.regex` is; whether it matches
+    the empty string (a part that can match nothing, see `grammar.StructuralTag`)."""
+    if len(regex) > MAX_REGEX_CHARS:
+        raise InvalidInput(field, f"has {len(regex)} characters; the limit is {MAX_REGEX_CHARS}")
+    if "\x00" in regex:
+        raise InvalidInput(field, "must not contain a NUL character")
+    validate_regex(regex, field)
+    try:
+        return re.fullmatch(regex, "") is not None
+    except re.error:  # (parsed above; compiled differently: count it as empty, the stricter)
+        return True
+
+
+_SCHEMA_VALUES = frozenset({"const", "enum", "default", "examples"})
+"""JSON schema keywords whose values are data, not schemas: no `pattern` in them is a regex."""
+
+
+def _check_schema(schema: Any, field: str) -> None:
+    """Every regex a JSON schema holds (`pattern`, `patternProperties`' names), checked as
+    `structured_outputs.regex` is: xgrammar turns each into grammar rules. Level by level
+    (nesting is bounded before: `_check_nesting`); a node's path is spelled only for a refusal
+    (a chat's tools are walked on every request)."""
+    if not isinstance(schema, (dict, list)) or b"pattern" not in encode(schema):  # (most: ~0.3 ms)
+        return
+    level: list[tuple[Any, Any]] = [(schema, (None, field))]  # (node, (parent's link, key))
+    while level:
+        below = []
+        for node, link in level:
+            children = enumerate(node) if isinstance(node, list) else node.items()
+            for key, value in children:
+                if key == "pattern" and isinstance(value, str):
+                    _tag_regex(value, _path(link, key))
+                elif key == "patternProperties" and isinstance(value, dict):
+                    for regex in value:
+                        _tag_regex(regex, f"{_path(link, key)}[{regex[:40]!r}]")
+                if isinstance(value, (dict, list)) and key not in _SCHEMA_VALUES:
+                    below.append((value, (link, key)))
+        level = below
+
+
+def _path(link: tuple[Any, Any], key: Any) -> str:
+    """`field.a.b[2].c` from a chain of (parent's link, key) links."""
+    parts = [f"[{key}]" if isinstance(key, int) else f".{key}"]
+    while link[0] is not None:
+        link, key = link
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return (link[1] + "".join(reversed(parts)))[:300]
 
 
 def validate_logit_bias(bias: dict[int, float], field: str = "sampling.logit_bias") -> None:
@@ -713,6 +785,10 @@ def _check_chat(chat: Chat, field: str, size: int) -> None:
             chat.tool_choice not in ("none", "auto", "required"):
         raise InvalidInput(f"{field}.tool_choice", f'is {chat.tool_choice!r}: "none", "auto", "required" '
                                                    'or {"type": "function", "function": {"name": ...}}')
+    for i, tool in enumerate(chat.tools or ()):
+        function = tool.get("function")
+        if isinstance(function, dict):  # vLLM turns these into grammars (a named tool_choice, ...)
+            _check_schema(function.get("parameters"), f"{field}.tools[{i}].function.parameters")
     if chat.add_generation_prompt and chat.continue_final_message:
         raise InvalidInput(f"{field}.continue_final_message",
                            "excludes add_generation_prompt (set add_generation_prompt to false)")

@@ -139,3 +139,6 @@ def _render_scoring(status: PolicyStatus, console: Console) -> None:
     for q in status.scoring:
         queues.add_row(q.trainer, str(q.waiting), str(q.running))
     console.print(queues)
+    waiting = sum(q.waiting for q in status.scoring)
+    if waiting and not status.scorers:  # queued before any scorer started (or after all stopped)
+        console.print(f"[yellow]no live scorer: {waiting} generated groups wait to be scored[/yellow]")

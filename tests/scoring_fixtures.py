@@ -23,7 +23,8 @@ class ScorerProcess:
         args = [sys.executable, "-m", "rollq", "scorer", "--redis-url", redis_url, "--policy", policy,
                 "--rewards", rewards, "--scorer-id", scorer_id]
         for name, value in flags.items():
-            args += [f"--{name.replace('_', '-')}", str(value)]
+            flag = f"--{name.replace('_', '-')}"
+            args += [flag] if value is True else [flag, str(value)]
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
         env = os.environ | {"COLUMNS": "200", "PYTHONUNBUFFERED": "1"} | (env or {})
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,

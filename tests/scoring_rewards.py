@@ -48,8 +48,18 @@ def hog(completion: Completion, inputs) -> float:
     return 1.0
 
 
-
 @reward("same_if", timeout_s=30)
 async def same_if(completion: Completion, inputs) -> float:
     """All equal for a group whose inputs say "same" (dynamic sampling filters it), else not."""
     return 1.0 if inputs == "same" else float(completion.index)
+
+
+@reward("weight", timeout_s=30)
+def weight(completion: Completion, inputs) -> float:
+    """Sample 0 gets the group's inputs as a float (a trainer may send "nan", "inf", "1e308")."""
+    return float(inputs) if completion.index == 0 else 0.5
+
+
+@reward("aweight", timeout_s=30)
+async def aweight(completion: Completion, inputs) -> float:
+    return weight(completion, inputs)

@@ -167,3 +167,35 @@ def test_values_given_whole_are_named_whatever_they_are():
     with pytest.raises(InvalidInput) as e:
         p.validate_chat(p.Chat([{"role": "user"}] * (p.MAX_CHAT_MESSAGES + 1)), "conversations[2]")
     assert e.value.field == "conversations[2].messages" and "the limit is 4096" in str(e.value)
+
+
+def test_a_logit_bias_over_its_cap_is_refused_as_it_decodes_on_every_route():
+    """Issue 43, item 7b: a `logit_bias` of more than MAX_LOGIT_BIAS token ids is refused by the
+    decoder itself (msgpack from its length, before any entry is read), naming the field and the
+    limit, never walked in Python first; it failed before (the types took any length)."""
+    from rollq.gateway.chat import ChatCompletionRequest
+    from rollq.gateway.completions import CompletionRequest
+    from rollq.gateway.generate import GenerateRequest
+
+    over = {str(t): 1.0 for t in range(p.MAX_LOGIT_BIAS + 1)}
+    bodies = [
+        (CompletionRequest, {"model": "a", "prompt": "hi", "logit_bias": over}, "$.logit_bias"),
+        (ChatCompletionRequest, {"model": "a", "messages": [], "logit_bias": over}, "$.logit_bias"),
+        (GenerateRequest, {"token_ids": [1], "sampling_params": {"logit_bias": over}},
+         "$.sampling_params.logit_bias"),
+    ]
+    for cls, body, at in bodies:
+        for codec in (msgspec.json, msgspec.msgpack):
+            with pytest.raises(msgspec.ValidationError) as refused:
+                codec.decode(codec.encode(body), type=cls)
+            assert str(refused.value) == f"Expected `object` of length <= {p.MAX_LOGIT_BIAS} - at `{at}`"
+        del over[str(p.MAX_LOGIT_BIAS)]  # at the cap: accepted
+        codec.decode(codec.encode(body), type=cls)
+        over[str(p.MAX_LOGIT_BIAS)] = 1.0
+    # The SDK's and the submit route's sampling settings, and a work item from Redis.
+    with pytest.raises(InvalidInput, match="sampling.logit_bias: has 4097 entries; the limit is 4096"):
+        p.as_sampling({"logit_bias": {t: 1.0 for t in range(p.MAX_LOGIT_BIAS + 1)}})
+    raw = p.encode(item()).replace(p.encode(Sampling(max_tokens=8)), p.encode(
+        Sampling(max_tokens=8, logit_bias={t: 1.0 for t in range(p.MAX_LOGIT_BIAS + 1)})))
+    with pytest.raises(InvalidInput, match="logit_bias.*the limit is 4096"):
+        p.decode_item(raw)

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from rollq.protocol import VersionEntry
 from rollq.registry.safetensors_check import WeightError
 from rollq.registry.snapshots import Snapshots, copy_version
-from rollq.registry.store import digest_dir
+from rollq.registry.store import digest_dir, verify
 
 
 def entry_of(directory, version: int = 1) -> VersionEntry:
@@ -145,3 +145,106 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _store_with_spare_rules(tmp_path, monkeypatch):
+    from rollq.registry import store as store_module
+    from rollq.registry.store import WeightStore
+
+    monkeypatch.setattr(store_module, "SPARE_FROM", 1 << 20)  # 1 MiB: this test's versions
+    return store_module, WeightStore(tmp_path / "store")
+
+
+def test_a_copy_of_a_store_version_stays_whole_when_its_spare_is_written_over(tmp_path, monkeypatch):
+    """Issue 43, item 2: a publish copying a store version (a rollback by path) while that
+    version is retired to the spare and the next version written: the copy holds the old
+    version's bytes only (the next version's file is a new one, not the file being read). It
+    failed before (the copy's second half was v2's bytes, registered under its own digest)."""
+    import threading
+
+    from rollq.registry.staging import Staging
+
+    store_module, store = _store_with_spare_rules(tmp_path, monkeypatch)
+    staging = Staging()
+    v1, v1_files = store.write_image("p", 1, staging.pack(_state(1)))
+    inode = (v1 / "model.safetensors").stat().st_ino
+    halfway, resume = threading.Event(), threading.Event()
+    real_copy_fd = store_module.copy_fd
+
+    def paused(src, dst, size):  # the copier's kernel copy waits half way
+        if threading.current_thread().name != "copier":
+            return real_copy_fd(src, dst, size)
+        done = os.sendfile(dst, src, 0, size // 2)
+        halfway.set()
+        resume.wait(10)
+        while done < size and (sent := os.sendfile(dst, src, done, size - done)):
+            done += sent
+        return done
+
+    monkeypatch.setattr(store_module, "copy_fd", paused)
+    out = {}
+    copier = threading.Thread(name="copier", target=lambda: out.update(r=store.copy_dir("p", 10, v1)))
+    copier.start()
+    try:
+        assert halfway.wait(10)
+        store.delete(v1)  # retired: the policy's spare
+        v2, v2_files = store.write_image("p", 2, staging.pack(_state(2)))
+    finally:
+        resume.set()
+        copier.join(10)
+    copy, files = out["r"]
+    assert [f.digest for f in files] == [f.digest for f in v1_files]  # v1's bytes, whole
+    verify(copy, v1_files)
+    assert (v2 / "model.safetensors").stat().st_ino != inode  # not written over under the reader
+    verify(v2, v2_files)
+
+
+@pytest.mark.parametrize("reader", ["copy_dir", "digest_dir", "copy_version"])
+def test_a_file_opened_as_its_version_is_retired_and_written_over_is_refused(
+        tmp_path, monkeypatch, reader):
+    """A reader that opened a store version's file just before the version became the spare and
+    was written over (before it could lock it) refuses it, whatever reads it: a publish copying
+    it, a by-reference publish hashing it, a worker's private copy."""
+    from rollq.registry.staging import Staging
+
+    store_module, store = _store_with_spare_rules(tmp_path, monkeypatch)
+    staging = Staging()
+    v1, v1_files = store.write_image("p", 1, staging.pack(_state(1)))
+    real_open = store_module.open_regular
+    once = []
+
+    def retired_meanwhile(path, *args):
+        fd = real_open(path, *args)
+        if not once:
+            once.append(path)
+            store.delete(v1)
+            store.write_image("p", 2, staging.pack(_state(2)))  # over the spare, in place
+        return fd
+
+    monkeypatch.setattr(store_module, "open_regular", retired_meanwhile)
+    with pytest.raises(WeightError, match="retired while it was opened"):
+        if reader == "copy_dir":
+            store.copy_dir("p", 3, v1)
+        elif reader == "digest_dir":
+            store_module.digest_dir(v1)
+        else:
+            entry = VersionEntry(1, str(v1), v1_files, v1_files[0].bytes, time.time(), "t", True)
+            copy_version(entry, tmp_path / "snapshot")
+    assert once  # (the interleaving happened)
+
+
+
+def test_a_file_a_writer_holds_is_refused_at_once_not_waited_for(published):
+    """A reader never waits on a writer's lock (a planted lock must not hang a publish helper)."""
+    import fcntl
+
+    from rollq.registry.store import open_version_file
+
+    held = os.open(published / "model.safetensors", os.O_WRONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(WeightError, match="locked by a writer"):
+            open_version_file(published / "model.safetensors")
+    finally:
+        os.close(held)
+    os.close(open_version_file(published / "model.safetensors"))  # once released: read

@@ -30,8 +30,10 @@ SHARED = {
     "tests/test_streaming_vllm.py": "chat-model",
     "tests/test_tokenize_vllm.py": "chat-model",
     "tests/test_trl_vllm_client.py": "chat-model",
+    "tests/test_token_ids_flag_vllm.py": "chat-model",
     "tests/test_tools_vllm.py": "tool-model-hermes",
     "tests/test_conversations_vllm.py": "tool-model-hermes",
+    "tests/test_renderers_client_vllm.py": "tool-model-hermes",
 }
 """Module -> the group of modules that run in one test process (`make test`)."""
 SHARED_FIXTURES = {"chat_server": "chat-model", "chat_engine": "chat-model",

@@ -81,6 +81,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     data = await body_bytes(request)
     async with heavy_turn(request, data):  # as a submit's: a 16 MiB body decodes on the loop
         req = decode_body(request, data, ChatCompletionRequest)
+    req.return_tokens_as_token_ids = gw.words.by_id(req.return_tokens_as_token_ids)  # null: the flag's
     policy = allowed(who, req.model)
     sampling = sampling_of(req)
     check_chat(req.messages, req.tools, req.chat_template_kwargs, req.response_format)
@@ -235,7 +236,7 @@ def response(req: ChatCompletionRequest, job_id: str, r: GroupResult,
         choices.append(dict(
             index=index,
             message=_message(sample),
-            logprobs=content_logprobs(sample, req.top_logprobs or 0, req.return_tokens_as_token_ids)
+            logprobs=content_logprobs(sample, req.top_logprobs or 0, bool(req.return_tokens_as_token_ids))
             if req.logprobs else None,
             finish_reason=_finish_reason(sample, tool_choice), stop_reason=sample.stop_reason,
             token_ids=sample.token_ids if req.return_token_ids else None, routed_experts=None,

@@ -23,8 +23,8 @@ from rollq import __version__
 from rollq.gateway.http import ApiError
 from rollq.gateway.streaming import StreamOptions
 from rollq.gateway.structured import logit_bias_of, structured_outputs_of
-from rollq.protocol import (MAX_JOB_GROUPS, MAX_PROMPT_TOKENS, GroupResult, InvalidInput, Sample, Sampling,
-                            SwapMode, VersionWindow, unpack_floats, unpack_tokens)
+from rollq.protocol import (MAX_JOB_GROUPS, MAX_PROMPT_TOKENS, GroupResult, InvalidInput, LogitBias, Sample,
+                            Sampling, SwapMode, VersionWindow, unpack_floats, unpack_tokens)
 from rollq.queue.connection import Backoff
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
@@ -53,11 +53,13 @@ class OpenAIRequest(VersionWindow, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
+    """Name logprobs' tokens `token_id:N`; null: the gateway's `--return-tokens-as-token-ids`
+    (vLLM's server: the request's field wins over its flag)."""
     echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     # rollq's own: how long to wait (and the version window, inherited).
     timeout_s: float = 600.0
@@ -203,10 +205,17 @@ class CompletionRouter:
 
 
 class TokenText:
-    """Token ids → text with the gateway's tokenizer, where the worker decoded none."""
+    """Token ids → text with the gateway's tokenizer, where the worker decoded none; and whether
+    replies name tokens by id (`--return-tokens-as-token-ids`)."""
 
-    def __init__(self, tokenizer: Any | None):
+    def __init__(self, tokenizer: Any | None, as_ids: bool = False):
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
+
+    def by_id(self, asked: bool | None) -> bool:
+        """A request's `return_tokens_as_token_ids`, else the gateway's flag (vLLM 0.32's
+        `should_return_as_token_id`: the request's field when not null, else the server's)."""
+        return self.as_ids if asked is None else asked
 
     def text(self, ids: list[int]) -> str:
         """A prompt's text, as vLLM's server decodes one for `echo`."""
@@ -292,7 +301,8 @@ def response(req: CompletionRequest, job_id: str, results: list[GroupResult], pr
             text = _text(req, sample, original, prompt_ids, r.prompt_scores, words)
             echoed = r.prompt_scores if req.echo else None
             choice = dict(index=r.group_index * req.n + j, text=text,
-                          logprobs=_logprobs(sample, words, req.return_tokens_as_token_ids, echoed)
+                          logprobs=_logprobs(sample, words, words.by_id(req.return_tokens_as_token_ids),
+                                             echoed)
                           if req.logprobs is not None else None,
                           prompt_logprobs=prompt_logprobs_of(r.prompt_scores, sampling_top(req), words),
                           finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,

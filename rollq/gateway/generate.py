@@ -9,6 +9,12 @@ policy versions). What vLLM's route accepts is accepted with its meaning, or ref
 naming the field and saying why: vLLM's `SamplingParams` fields that rollq's workers do not
 take, multimodal inputs, disaggregated-serving fields, `stream`. `output_mode: "text"` asks the
 worker for vLLM's text (its model needs a tokenizer) and answers `GenerateTextResponse`.
+
+The gateway's `--return-tokens-as-token-ids` (vLLM's server flag) names every logprob's token
+`token_id:N`: in text mode as vLLM 0.32's route does (placeholders, no bytes); in token mode,
+where vLLM's entries carry only the integer `token_id`, each entry and top entry also gets
+`token: "token_id:N"`: the key of the chat-shaped entries earlier vLLM releases answered this
+route with, which verifiers' training client (`renderers.client.generate`) requires of each.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body
 from rollq.gateway.state import GATEWAY
 from rollq.gateway.structured import logit_bias_of, structured_outputs_of
 from rollq.gateway.trl_compat import policy_of
-from rollq.protocol import (MAX_PROMPT_TOKENS, GroupResult, GroupSize, InvalidInput, Sample, Sampling,
-                            SwapMode, TokenId, VersionWindow, typed, unpack_tokens, validate_sampling)
+from rollq.protocol import (MAX_PROMPT_TOKENS, GroupResult, GroupSize, InvalidInput, LogitBias, Sample,
+                            Sampling, SwapMode, TokenId, VersionWindow, typed, unpack_tokens,
+                            validate_sampling)
 from rollq.queue.keys import Keys
 from rollq.queue.workers import live_workers, max_model_len
 
@@ -62,7 +69,7 @@ class GenerateSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
 
 
 _SP_DEFAULTS = GenerateSamplingParams()
@@ -198,6 +205,7 @@ def response(req: GenerateRequest, request_id: str, policy: str, result: GroupRe
         status = 504 if result.status == "expired" else 400 if result.status == "failed" else 409
         raise ApiError(status, f"{result.status}: {result.reason}")
     sp, text = req.sampling_params, req.output_mode == "text"
+    as_ids = words.by_id(None)  # vLLM's route has no request field of that name: the flag alone
     choices, completion_tokens = [], 0
     for j, sample in enumerate(result.samples):
         ids = sample.token_ids
@@ -207,8 +215,8 @@ def response(req: GenerateRequest, request_id: str, policy: str, result: GroupRe
                             routed_experts=None, sampling_mask=None,
                             weight_versions=_spans(sample, len(ids)),
                             logprobs=None if sp.logprobs is None
-                            else content_logprobs(sample, max(sp.logprobs, 1), False) if text
-                            else _logprobs(sample, sp.logprobs),
+                            else _text_logprobs(sample, max(sp.logprobs, 1), as_ids) if text
+                            else _logprobs(sample, sp.logprobs, as_ids),
                             policy_versions=[list(v) for v in sample.versions]))
         if text:
             choices[-1]["text"] = sample.text
@@ -235,9 +243,22 @@ def _clamp(value: float | None) -> float:
     return -9999.0 if value is None or math.isnan(value) else max(value, -9999.0)
 
 
-def _logprobs(sample: Sample, top_n: int) -> dict:
+def _text_logprobs(sample: Sample, top_n: int, as_ids: bool) -> dict:
+    """Text mode's logprobs, chat's shape; named by id, without bytes (vLLM's `_logprob_token`
+    with no tokenizer, where chat's would keep the decoded token's bytes)."""
+    logprobs = content_logprobs(sample, top_n, as_ids)
+    if as_ids:
+        for entry in logprobs["content"]:
+            entry["bytes"] = None
+            for top in entry["top_logprobs"]:
+                top["bytes"] = None
+    return logprobs
+
+
+def _logprobs(sample: Sample, top_n: int, as_ids: bool = False) -> dict:
     """vLLM's `GenerateLogProbs`: per position the sampled token (logprob, rank) and `top_logprobs`
-    in the engine's order, the sampled token first and then the others by rank, max(N, 1) in all."""
+    in the engine's order, the sampled token first and then the others by rank, max(N, 1) in all.
+    `as_ids`: each entry also names its token `token_id:N` (see the module's docstring)."""
     ranks = unpack_tokens(sample.token_ranks) if sample.token_ranks else []
     tops = sample.top() if sample.top_counts else [[] for _ in sample.token_logprobs]
     content = []
@@ -253,4 +274,8 @@ def _logprobs(sample: Sample, top_n: int) -> dict:
                 if t != token and r <= top_n]
         content.append(dict(token_id=token, logprob=_clamp(value), rank=rank,
                             top_logprobs=top[:max(top_n, 1)]))
+    if as_ids:
+        for entry in content:
+            for named in (entry, *entry["top_logprobs"]):
+                named["token"] = f"token_id:{named['token_id']}"
     return dict(content=content)

@@ -63,17 +63,25 @@ class Sums:
         if not self.rewards:
             return None
         mean = self.total / self.rewards
-        return math.sqrt(max(0.0, self.squares / self.rewards - mean * mean))
+        variance = self.squares / self.rewards - mean * mean
+        # (max() would make a NaN variance 0: a spread shown where the sums are no numbers.)
+        return math.sqrt(max(0.0, variance)) if math.isfinite(variance) else None
 
     def figures(self) -> dict:
         return dict(written=dict(self.written), resampled=self.resampled, rewards=self.rewards,
                     mean=_round(self.mean), std=_round(self.std), missing=self.missing,
-                    scored=self.scored,
-                    reward_ms=round(1000 * self.reward_s / self.scored, 2) if self.scored else None)
+                    scored=self.scored, reward_ms=_ms(self.reward_s, self.scored))
 
 
 def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
+    """A figure as shown; None for none, and for a sum that is no number (a tally's overflowed
+    or NaN sum, kept in Redis by a scorer of before rewards were checked)."""
+    return None if value is None or not math.isfinite(value) else round(value, 4)
+
+
+def _ms(seconds: float, groups: int) -> float | None:
+    ms = 1000 * seconds / groups if groups else math.nan
+    return round(ms, 2) if math.isfinite(ms) else None
 
 
 @dataclass
@@ -179,8 +187,7 @@ class ScoringView:
                 for t, j in reversed(list(self.jobs)[-JOBS_SHOWN:])]
         return dict(
             series=dict(t=[s.t for s in seconds], scored_per_s=[s.scored for s in seconds],
-                        reward_ms=[round(1000 * s.reward_s / s.scored, 2) if s.scored else None
-                                   for s in seconds], rewards=rewards),
+                        reward_ms=[_ms(s.reward_s, s.scored) for s in seconds], rewards=rewards),
             trainers={t: s.figures() for t, s in sorted(self.trainers.items())},
             jobs=jobs)
 
@@ -205,7 +212,8 @@ class ScoringView:
         for trainer, s in self.recent().items():
             if s.rewards:
                 into["mean"].add_metric([policy, trainer], s.mean)
-                into["std"].add_metric([policy, trainer], s.std)
+                std = s.std  # None where the sums are no numbers: Prometheus has a word for that
+                into["std"].add_metric([policy, trainer], math.nan if std is None else std)
         cumulative, running = [], 0
         for bound, count in zip([*(str(float(b)) for b in REWARD_S_BUCKETS), "+Inf"], self.reward_s):
             running += count

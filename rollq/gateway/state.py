@@ -37,7 +37,7 @@ class Gateway:
         self.redis = redis
         self.scripts = Scripts(redis)
         self.tokens = Tokens.load(settings.tokens) if settings.tokens else Tokens(None)
-        self.words = TokenText(tokenizer)
+        self.words = TokenText(tokenizer, settings.return_tokens_as_token_ids)
         self._clients: dict[tuple[str, str], RolloutClient] = {}
         self._routers: dict[tuple[str, str], CompletionRouter] = {}
         self.sampler = PoolSampler(redis, settings.policies or None)

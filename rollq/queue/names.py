@@ -102,6 +102,9 @@ class JobField(StrEnum):
     """Only when the job has an upper bound."""
     FINISHED_AT = "finished_at"
     """Set when the last group gets its result."""
+    CUT = "cut"
+    """Over-sampling: set by the pick that filled the job's `deliver` groups, which cancels it
+    (its other groups end `cancelled`); a job so cut ends `done` with its last group's result."""
 
 
 class EpisodeState(StrEnum):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from rollq.protocol import FileDigest, VersionEntry
 from rollq.registry.adapters import check_adapter
-from rollq.registry.safetensors_check import (Schema, WeightError, check_compatible, check_header,
-                                              open_regular)
-from rollq.registry.store import check_digest_of, copy_over, mapped, refuse_links, refuse_unsafe
+from rollq.registry.safetensors_check import Schema, WeightError, check_compatible, check_header
+from rollq.registry.store import (check_digest_of, copy_over, mapped, open_version_file, refuse_links,
+                                  refuse_unsafe)
 
 
 class Snapshots:
@@ -67,8 +67,9 @@ def _copy_checked(source: Path, target: Path, expected: FileDigest) -> None:
     blocks and pages reused), then cut to size. (The kernel's copy plus a hash of the copy
     measured faster than one Python pass copying and hashing; see docs/benchmarks.md.)"""
     # Through one descriptor opened without following links or blocking: a link or FIFO put in
-    # place after the directory was checked is refused, never followed or waited on.
-    with os.fdopen(open_regular(source), "rb", buffering=0) as src:
+    # place after the directory was checked is refused, never followed or waited on; locked
+    # while it is read, so the store never writes a retired version's file over under the copy.
+    with os.fdopen(open_version_file(source), "rb", buffering=0) as src:
         size = os.fstat(src.fileno()).st_size
         if size == expected.bytes <= _IN_MEMORY:
             target.unlink(missing_ok=True)

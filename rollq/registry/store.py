@@ -4,14 +4,17 @@ A version is written into a private temp directory, every file hashed (BLAKE3), 
 manifest written last, all of them and the directory fsynced together, then the directory renamed
 into place and its parent fsynced: a reader never sees a half-written version. Directory names
 are unique per write, so two concurrent publishers of one version never collide; the registry's
-compare-and-set picks one.
+compare-and-set picks one. What a killed writer or deleter leaves (`.tmp-*`, `.trash-*`) is
+removed by the next write once no writer of the policy is live (`_writing`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -33,6 +36,8 @@ COMMIT_MARKER = "COMMITTED"
 UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".npy", ".npz")
 """Formats that unpickle (or may) on load: never registered, never loaded."""
 _CHUNK = 8 * 1024 * 1024
+
+log = logging.getLogger("rollq.registry")
 
 
 DIGEST = "blake3"
@@ -151,6 +156,37 @@ def copy_over(src: int, target: Path, size: int, mode: int = 0o666) -> None:
         os.close(fd)
 
 
+def open_version_file(path: Path) -> int:
+    """A descriptor of a published file to read whole (a copy, a hash), with a shared lock held
+    until it is closed: a store writer writes a spare's file over in place only once it holds
+    that file's exclusive lock (`_take_spare`), so a file locked here never changes under its
+    reader. Taken, then the file checked to be still at `path`: one opened just before its
+    version was retired (renamed to the spare, maybe written over since) is refused, never read.
+    A file another holds exclusively (a spare being written over) is refused at once, not waited
+    for. Where the filesystem has no locks, no writer can lock either and spares are never
+    written over there."""
+    fd = open_regular(path)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WeightError(f"{path.name}: locked by a writer (a file being written over: in the store, "
+                              "a retired version's, reused by the next); read it once written") from None
+        except OSError:  # no locks here (see above)
+            pass
+        now = os.stat(path, follow_symlinks=False)
+        held = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            raise WeightError(f"{path.name}: replaced while it was opened")
+    except FileNotFoundError:
+        os.close(fd)
+        raise WeightError(f"{path.name}: its version was retired while it was opened") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _checked(files: list[Path], digests: list[FileDigest]) -> list[FileDigest]:
     """Digests a writer took from its own bytes: each file must have that size, and a weight
     file a valid header (an adapter's config was parsed from those bytes)."""
@@ -231,10 +267,11 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _digest(f: Path) -> FileDigest:
+def _digest(f: Path, opener=open_regular) -> FileDigest:
     """Header, hash and size read through one descriptor (no link followed), so all three
-    describe the same file even if its name is replaced meanwhile."""
-    with os.fdopen(open_regular(f), "rb") as fh:
+    describe the same file even if its name is replaced meanwhile. `opener`:
+    `open_version_file` for a file the store may write over (a published one)."""
+    with os.fdopen(opener(f), "rb") as fh:
         check_header_of(fh, f.name)
         return FileDigest(f.name, _digest_of(fh, DIGEST), os.fstat(fh.fileno()).st_size, DIGEST)
 
@@ -260,8 +297,9 @@ def digest_files(files: list[Path]) -> list[FileDigest]:
 
 
 def digest_dir(path: Path) -> list[FileDigest]:
-    """Hash the safetensors files of a directory in place (publish by reference)."""
-    return [_digest(f) for f in weight_files(path)]
+    """Hash the safetensors files of a directory in place (publish by reference; the directory
+    may be a store version, read as `open_version_file` reads it)."""
+    return [_digest(f, open_version_file) for f in weight_files(path)]
 
 
 class WeightStore:
@@ -283,26 +321,35 @@ class WeightStore:
         parent.mkdir(parents=True, exist_ok=True)
         name = f"v{version:010d}-{uuid.uuid4().hex[:8]}"
         tmp = parent / f".tmp-{name}"
-        if writes is None or not _take_spare(parent, tmp, writes):
-            tmp.mkdir()
-        try:
-            digests = fill(tmp)
-            names = listing(tmp)
-            files = digest_files(names) if digests is None else _checked(names, digests)
-            manifest = {"version": version,
-                        "files": [[d.name, d.digest, d.bytes, d.algorithm] for d in files],
-                        "committed_at": time.time()}
-            marker = tmp / COMMIT_MARKER
-            marker.write_text(json.dumps(manifest))
-            if self.durable:
-                _fsync_together([*names, marker], tmp)
-            final = parent / name
-            os.rename(tmp, final)
-            if self.durable:
-                _fsync_dir(parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        with contextlib.ExitStack() as held:
+            held.enter_context(_writing(parent))  # (its leftovers cleaned first, see there)
+            if writes is None or not _take_spare(parent, tmp, writes, held):
+                tmp.mkdir()
+            try:
+                return self._commit(parent, name, tmp, fill, listing, version)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                held.close()  # our locks: the clean-up needs the policy's lock to itself
+                with contextlib.suppress(OSError):
+                    _clean(parent)  # what writers killed before left (ours is gone above)
+                raise
+
+    def _commit(self, parent: Path, name: str, tmp: Path, fill, listing,
+                version: int) -> tuple[Path, list[FileDigest]]:
+        digests = fill(tmp)
+        names = listing(tmp)
+        files = digest_files(names) if digests is None else _checked(names, digests)
+        manifest = {"version": version,
+                    "files": [[d.name, d.digest, d.bytes, d.algorithm] for d in files],
+                    "committed_at": time.time()}
+        marker = tmp / COMMIT_MARKER
+        marker.write_text(json.dumps(manifest))
+        if self.durable:
+            _fsync_together([*names, marker], tmp)
+        final = parent / name
+        os.rename(tmp, final)
+        if self.durable:
+            _fsync_dir(parent)
         return final, files
 
     def _policy_dir(self, policy: str) -> Path:
@@ -348,8 +395,8 @@ class WeightStore:
 
         def fill(tmp: Path) -> list[FileDigest] | None:
             digests = []
-            for f in files:  # opened without following links: the name may have changed since
-                with os.fdopen(open_regular(f), "rb") as src:
+            for f in files:  # opened without following links (the name may have changed since),
+                with os.fdopen(open_version_file(f), "rb") as src:  # locked (a store version?)
                     copy_over(src.fileno(), tmp / f.name, os.fstat(src.fileno()).st_size)
                 if weights:
                     with mapped(tmp / f.name) as data:
@@ -391,17 +438,19 @@ class WeightStore:
         allocation (0.4-1.2 s on this VM's fresh memory, 0.11-0.16 s recycled) where writing
         over cached pages took 0.06-0.07 s; and no deletion's trim (the disk is mounted with
         `discard`) runs beside the swap. The price: one version's worth of disk per policy
-        beyond `keep`, and a worker still reading a retired version (its pin lapsed) reads
-        changing bytes, which its digest check refuses."""
+        beyond `keep`. A reader of the retired version (a publish copying it, a worker's copy)
+        never reads changing bytes: a file it holds is not written over (`_take_spare`), and one
+        it opened just before retirement is refused (`open_version_file`)."""
         path = Path(path).resolve()
         if self.root not in path.parents or not (path / COMMIT_MARKER).exists():
             raise WeightError(f"{path} is not a committed version of the store at {self.root}")
-        if _bytes_in(path) >= SPARE_FROM and not any(path.parent.glob(f"{SPARE}*")):
-            os.rename(path, path.with_name(f"{SPARE}{uuid.uuid4().hex[:8]}"))  # atomic, as below
-            return
-        trash = path.with_name(f".trash-{path.name}")
-        os.rename(path, trash)  # atomic: no reader sees a half-deleted version
-        shutil.rmtree(trash)
+        with _writing(path.parent, clean=False):  # (a `.trash-*` of ours is not a leftover)
+            if _bytes_in(path) >= SPARE_FROM and not any(path.parent.glob(f"{SPARE}*")):
+                os.rename(path, path.with_name(f"{SPARE}{uuid.uuid4().hex[:8]}"))  # atomic, as below
+                return
+            trash = path.with_name(f".trash-{path.name}")
+            os.rename(path, trash)  # atomic: no reader sees a half-deleted version
+            shutil.rmtree(trash)
 
 
 SPARE = ".spare-"
@@ -414,9 +463,62 @@ def _bytes_in(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file() and not f.is_symlink())
 
 
-def _take_spare(parent: Path, tmp: Path, writes: set[str]) -> bool:
+LEFTOVERS = (".tmp-", ".trash-")
+"""A version being written, a version being deleted: a leftover once no writer owns it."""
+
+
+@contextlib.contextmanager
+def _writing(parent: Path, clean: bool = True) -> Iterator[None]:
+    """Held by every store write and delete of the policy, from before its `.tmp-*` or
+    `.trash-*` exists until it is gone: a shared lock on the policy's directory, which the
+    kernel drops when its holder dies. So a `.tmp-*` or `.trash-*` found while that lock can be
+    taken exclusively is one whose writer was killed: `clean` removes those first (the first
+    write after a kill cleans up; a write that fails cleans up after itself, `_write`). On a
+    filesystem without locks on directories (NFS), nothing is ever removed: leftovers stay."""
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if clean:
+            _clean(parent, fd)
+        with contextlib.suppress(OSError):  # (no locks here: nothing is cleaned either)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # (blocks only while a clean-up runs)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _clean(parent: Path, fd: int | None = None) -> list[str]:
+    """Remove the policy's leftovers, if no store writer of the policy is live (`_writing`);
+    returns their names. `fd`: the policy directory's, opened by the caller (its lock, if
+    taken, is the caller's to drop)."""
+    own = fd is None
+    if own:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a writer is live (it cleans after), or no locks here
+            return []
+        removed = []
+        with os.scandir(parent) as entries:
+            for entry in entries:
+                if entry.name.startswith(LEFTOVERS) and entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(entry.name)
+        if removed:
+            log.warning("the weight store removed %s of %s, left by a writer that was killed",
+                        removed, parent)
+        return removed
+    finally:
+        if own:
+            os.close(fd)
+
+
+def _take_spare(parent: Path, tmp: Path, writes: set[str], held: contextlib.ExitStack) -> bool:
     """Rename the policy's spare (if any, and if no other writer took it first) to `tmp`, with
-    only the regular files of the names about to be written left in it."""
+    only the regular files of the names about to be written left in it. Each of those is
+    written over in place only under its exclusive lock (kept in `held` until the write is
+    done): one a reader still holds (`open_version_file`: a copy of the version this spare was)
+    is unlinked instead, its reader keeping its bytes, and written new."""
     for spare in parent.glob(f"{SPARE}*"):
         try:
             os.rename(spare, tmp)
@@ -425,13 +527,28 @@ def _take_spare(parent: Path, tmp: Path, writes: set[str]) -> bool:
         with os.scandir(tmp) as entries:
             for entry in entries:
                 if entry.name in writes and entry.is_file(follow_symlinks=False):
-                    continue
-                if entry.is_dir(follow_symlinks=False):
+                    if _lock_to_write(Path(entry.path), held):
+                        continue
+                    os.unlink(entry.path)
+                elif entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path)
                 else:
                     os.unlink(entry.path)
         return True
     return False
+
+
+def _lock_to_write(path: Path, held: contextlib.ExitStack) -> bool:
+    """Whether this spare's file is ours to write over: its exclusive lock taken (then held
+    until `held` closes), so no reader is reading it and none can start."""
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # read by someone (or no locks here: then never written over)
+        os.close(fd)
+        return False
+    held.callback(os.close, fd)
+    return True
 
 
 def verify(path: str | Path, files: list[FileDigest]) -> None:

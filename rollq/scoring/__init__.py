@@ -11,6 +11,10 @@ Operators write rewards as plain functions in a module they name on the command 
     def math_reward(completion: Completion, inputs) -> float:
         return float(completion.text.strip() == inputs)
 
+A reward gets each sample as a `Completion` (`text`: '' where the worker's model has no
+tokenizer, as on the instant engine; `tokens`; `finish_reason`; `index` in its group) and the
+group's `reward_inputs` entry, and returns a finite number (int, float, bool or a NumPy scalar;
+delivered as float64): NaN, an infinity or a non-number is a reward error, as a raise is.
 Sync rewards run in child processes (a per-call time and memory limit), async ones in the
 scorer's event loop (a per-call time limit; they must not block it).
 """

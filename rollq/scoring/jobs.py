@@ -1,8 +1,10 @@
-"""A scored job at submit (the client's side): each group's item carries its reward and inputs,
-and a reward no live scorer offers is refused, naming those on offer."""
+"""A scored job at submit (the client's side): each group's item carries its reward and inputs;
+a reward no live scorer offers is queued (and logged, naming those on offer), refused only where
+the operator started a scorer with `--refuse-unoffered`."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +14,8 @@ from redis.asyncio import Redis
 from rollq.protocol import InvalidInput, ScoreSpec, check_id, decode_item, encode, validate_score
 from rollq.queue.keys import Keys
 from rollq.scoring.records import live_scorers, on_offer
+
+log = logging.getLogger("rollq.client")
 
 
 def score_specs(reward: str, reward_inputs: Sequence[Any] | None, on_error: str,
@@ -56,11 +60,24 @@ def scored_items(items: list[tuple[bytes, float]], specs: list[ScoreSpec]) -> li
 
 
 async def check_offered(redis: Redis, keys: Keys, trainer: str, reward: str) -> None:
-    """InvalidInput unless a live scorer offers `reward`; the trainer's scoring stream is listed
-    for the scorers first (a scorer that starts later finds it too)."""
+    """List the trainer's scoring stream for the scorers (a scorer that starts later finds it
+    too). A reward no live scorer offers is queued all the same, as work is before any worker
+    is live: its groups are generated and wait on the scoring stream (`rollq status`, the
+    dashboard) until a scorer offering it starts. InvalidInput only where the operator said so:
+    a live scorer started with `--refuse-unoffered`."""
     await redis.sadd(keys.scoring_trainers, trainer)
-    offered = on_offer(await live_scorers(redis, keys))
-    if reward not in offered:
-        on = ", ".join(f"{n} (v{'/'.join(v)})" for n, v in offered.items()) or "none: no scorer is running"
+    scorers = await live_scorers(redis, keys)
+    offered = on_offer(scorers)
+    if reward in offered:
+        return
+    on = ", ".join(f"{n} (v{'/'.join(v)})" for n, v in offered.items()) or "none: no scorer is running"
+    if any(s.refuse_unoffered for s in scorers):
         raise InvalidInput("reward", f"no live scorer of policy {keys.policy!r} offers {reward!r}; "
                                      f"on offer: {on}")
+    if (keys.policy, reward) not in _warned:  # once per reward: a trainer may submit many jobs early
+        _warned.add((keys.policy, reward))
+        log.warning("no live scorer of policy %r offers reward %r (on offer: %s): its groups are "
+                    "queued and wait for one", keys.policy, reward, on)
+
+
+_warned: set[tuple[str, str]] = set()

@@ -78,6 +78,8 @@ class ChildPool:
         answer = self._decoder.decode(line)
         if answer.error:
             raise RewardError(answer.error)
+        if answer.value is None:  # the child checks its value (`as_reward`); JSON writes NaN as null
+            raise RewardError("the reward's process answered no value")
         return answer.value
 
     async def _replace(self, child: asyncio.subprocess.Process) -> None:

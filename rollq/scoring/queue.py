@@ -42,6 +42,9 @@ class ScoringQueue(WorkQueue):
         on its trainer's work stream, in one fenced script call: OK or LOST."""
         trainer, _, outstanding_bytes = self._trainer_keys(claimed.stream)
         job, _ = self._job_keys(claimed.stream, claimed.job_id or "-")
+        # The entry leaves this scorer's pending list here, as by a finish or a hand-back: a
+        # renewal that finds it gone raced this call, whose reply says whether it was ours.
+        claimed.settling = True
         reply = await self.scripts.score_requeue(
             keys=[claimed.stream, self.keys.work(trainer), self.keys.errors, self.keys.trainers,
                   outstanding_bytes, job],

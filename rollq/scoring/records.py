@@ -1,6 +1,7 @@
 """The pool's record of its scorers in Redis, as `queue/workers.py` keeps the workers': one
 short-lived heartbeat key per scorer (the rewards it offers, with their versions), listed in a
-sorted set by last beat. The client reads it to refuse a reward nobody offers.
+sorted set by last beat. The client reads it to name the rewards on offer, and to refuse a reward
+nobody offers where a scorer's operator said so.
 
 And what they scored: each scorer adds a `Tally` of its last second (rewards per trainer and
 job, statuses written, scoring time) to a capped stream, which the gateway reads as it comes
@@ -38,6 +39,9 @@ class ScorerState(msgspec.Struct, frozen=True):
     """Samples left without a reward (raised, timed out, out of memory)."""
     restarts: int = 0
     """Reward child processes killed (timeouts) or found dead, and replaced."""
+    refuse_unoffered: bool = False
+    """The operator's `--refuse-unoffered`: while it is live, a scored submit whose reward no
+    live scorer offers is refused (without it, such a job waits for a scorer that offers it)."""
 
 
 class JobTally(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
 import numbers
 import sys
 from collections.abc import Callable
@@ -102,7 +103,13 @@ def find_rewards(target: str) -> dict[str, Reward]:
 
 
 def as_reward(value: Any) -> float:
-    """A reward function's answer as a float (TypeError for anything that is not a number)."""
-    if isinstance(value, numbers.Real):  # bool, int, float, numpy's
-        return float(value)
-    raise TypeError(f"returned {type(value).__name__} {value!r:.80}, not a number")
+    """A reward function's answer as a finite float (a Python float: float64): TypeError for
+    anything that is not a number, ValueError for NaN or an infinity, which no advantage can be
+    computed from (and JSON has no word for). Sync and async rewards go through here alike, so
+    either one's non-finite value is a reward error with this reason."""
+    if not isinstance(value, numbers.Real):  # bool, int, float, numpy's (float32 included)
+        raise TypeError(f"returned {type(value).__name__} {value!r:.80}, not a number")
+    reward = float(value)  # OverflowError for an int beyond float64
+    if not math.isfinite(reward):
+        raise ValueError(f"returned {reward!r}: a reward must be a finite number")
+    return reward

@@ -48,8 +48,10 @@ MAX_DELIVERIES = 5
 class Scorer:
     def __init__(self, redis: Redis, keys: Keys, rewards: dict[str, Reward], pool: ChildPool, *,
                  scorer_id: str, max_inflight: int = 16, lease_s: float = 30.0,
-                 max_deliveries: int = MAX_DELIVERIES, job_ttl_s: int = 86_400, grace_s: float = 10.0):
+                 max_deliveries: int = MAX_DELIVERIES, job_ttl_s: int = 86_400, grace_s: float = 10.0,
+                 refuse_unoffered: bool = False):
         self.redis, self.keys, self.rewards, self.pool = redis, keys, rewards, pool
+        self.refuse_unoffered = refuse_unoffered
         self.scorer_id, self.max_inflight, self.lease_s = scorer_id, max_inflight, lease_s
         self.max_deliveries, self.grace_s = max_deliveries, grace_s
         self.queue = ScoringQueue(redis, keys, scorer_id, job_ttl_s=job_ttl_s)
@@ -127,11 +129,14 @@ class Scorer:
             try:
                 held = [c for c, _ in self._held.values() if not c.settling]
                 for c in await self.queue.renew(held) if held else []:
-                    if c.settling:
-                        continue  # its finish raced the renewal; the finish's reply decides
+                    found = self._held.get(c.key)
+                    # Settling: its finish, hand-back or requeue raced the renewal, and that
+                    # call's reply decides. Not held: its task ended while we renewed.
+                    if c.settling or found is None or found[0] is not c:
+                        continue
                     log.warning("lease of group %s/%s was taken over; dropping it", c.job_id, c.group_index)
                     c.taken_over = True
-                    self._held[c.key][1].cancel()
+                    found[1].cancel()
                 await self._hand_back_unheld()
                 await self._beat()
             except RedisError as e:
@@ -148,7 +153,7 @@ class Scorer:
     async def _beat(self) -> None:
         state = records.ScorerState(
             self.scorer_id, {n: r.spec.version for n, r in self.rewards.items()}, time.time(),
-            len(self._held), self.scored, self.reward_errors, self.pool.restarts)
+            len(self._held), self.scored, self.reward_errors, self.pool.restarts, self.refuse_unoffered)
         await records.beat(self.redis, self.keys, state, ttl_s=self.lease_s)
 
     async def _drain(self) -> None:
@@ -200,8 +205,9 @@ class Scorer:
         # or a later one) is still delivered: its scorer died before writing it.
         if ((await self.queue.job_states([c])).get(c.key) is JobState.CANCELLED
                 and not (spec.deliver is not None and await self.queue.picked(c))):
-            return msgspec.structs.replace(result, status="cancelled", reason="job cancelled",
-                                           scorer_id=self.scorer_id), ""
+            # Without its samples, as every `cancelled` result (the worker's carry none).
+            return msgspec.structs.replace(result, status="cancelled", reason="job cancelled", samples=[],
+                                           prompt_scores=None, scorer_id=self.scorer_id), ""
         found = self.rewards.get(spec.reward)
         if found is None:  # another scorer may offer it: a delivery counted, so it ends
             await self.queue.release([c], error=f"scorer {self.scorer_id} does not offer reward "
@@ -296,7 +302,7 @@ def _uniform(rewards: list[float | None]) -> bool:
 
 async def serve(redis_url: str, policy: str, target: str, *, scorer_id: str, processes: int,
                 max_inflight: int, lease_s: float, grace_s: float,
-                max_deliveries: int = MAX_DELIVERIES) -> None:
+                max_deliveries: int = MAX_DELIVERIES, refuse_unoffered: bool = False) -> None:
     """Run one scorer until SIGTERM/SIGINT."""
     import signal
 
@@ -307,7 +313,7 @@ async def serve(redis_url: str, policy: str, target: str, *, scorer_id: str, pro
     redis = connect(redis_url)
     scorer = Scorer(redis, Keys(policy), rewards, ChildPool(target, processes), scorer_id=scorer_id,
                     max_inflight=max_inflight, lease_s=lease_s, grace_s=grace_s,
-                    max_deliveries=max_deliveries)
+                    max_deliveries=max_deliveries, refuse_unoffered=refuse_unoffered)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, scorer.stop)

@@ -27,3 +27,9 @@ def test_short_chaos_run_loses_and_doubles_nothing(tmp_path):
     assert summary["scored_delivered"] == summary["scored_groups"] > 20
     assert summary["rewards_wrong"] == 0 and summary["rewards_unchecked"] == 0
     assert summary["rewards_right"] > 20 and summary["faults"]["scorer_sigkill"] >= 1
+    # Dynamic sampling (regenerated, then filtered: the requeue a renewal once took for a
+    # take-over, which ended the scorer) and over-sampling (at most k ok, the job done) under
+    # the same faults; no scorer ended by itself (issue 43).
+    assert summary["filtered"] > 5 and summary["resampled"] > summary["filtered"]
+    assert summary["oversampled_jobs"] > 2 and summary["oversampled_wrong"] == 0
+    assert summary["scorer_exits"] == 0

@@ -22,8 +22,10 @@ const COLORS = ["#1c7ed6", "#e8590c", "#2f9e44", "#ae3ec9", "#c2255c", "#0c8599"
 const fmt = (v, digits = 3) => (v === null || v === undefined ? "–" : Number(v).toFixed(digits));
 
 function scoring(p) {
-  const sc = p.scoring, s = sc.series;
-  const on = p.scorers.length > 0 || s.t.length > 0;
+  const sc = p.scoring, s = sc.series, queued = p.series.scoring_waiting;
+  // Scored groups generated before any scorer started wait: the section shows them too.
+  const waiting = queued.length ? queued[queued.length - 1] : 0;
+  const on = p.scorers.length > 0 || s.t.length > 0 || waiting > 0;
   document.querySelectorAll(".scoring").forEach((el) => { el.hidden = !on; });
   if (!on) return;
   // Per trainer: its mean reward each second, and a band of one standard deviation around it.
@@ -51,7 +53,8 @@ function scoring(p) {
     <td>${x.age_s} s</td></tr>`);
   document.getElementById("scorers").innerHTML =
     "<tr><th>scorer</th><th>rewards</th><th>held</th><th>scored</th><th>reward errors</th><th>child restarts</th><th>last beat</th></tr>" +
-    (sr.join("") || '<tr><td class="empty" colspan="7">no live scorers</td></tr>');
+    (sr.join("") || `<tr><td class="empty" colspan="7">no live scorers${
+      waiting ? ": " + waiting + " generated groups wait to be scored" : ""}</td></tr>`);
   const jr = sc.jobs.map((j) => {
     const r = j.record || {};
     return `<tr><td>${text(j.trainer)}</td><td>${text(j.job_id)}</td><td>${r.done ?? "–"}/${r.groups ?? "–"}</td>

@@ -16,9 +16,11 @@ Every third job is scored (`reward=`, alternately the sync and the async reward 
 `rollq/harness/chaos/rewards.py`, functions of the token ids the trainer recomputes): each of
 its groups must reach the committed log once like any other, and each `ok` one with exactly the
 recomputed rewards (the summary's `rewards_wrong`, and `rewards_unchecked` for a scored group
-logged without a verdict). A scored submit refused because no live scorer offered the reward at
-that instant (one scorer killed, the other frozen past its heartbeat) is not acknowledged and is
-counted, not an error.
+logged without a verdict). A third of those use dynamic sampling (`dynamic_sampling` 1 or 2;
+even groups have uniform rewards: regenerated, then `filtered`, odd ones are delivered), a third
+over-sampling (`deliver` k of the job's groups: at most k `ok`, exactly k when any was
+`cancelled`, the job `done` at the end: `oversampled_wrong` counts the jobs that broke one).
+A scorer that exits without being killed is counted (`scorer_exits`, restarted): it must not.
 """
 
 from __future__ import annotations
@@ -40,11 +42,10 @@ import msgspec
 from redis.exceptions import RedisError
 from rich.console import Console
 
-from rollq.harness.chaos.rewards import ASYNC, SYNC
-from rollq.harness.chaos.trainer import POLICY
+from rollq.harness.chaos.rewards import ASYNC, SYNC, UNIFORM_ASYNC, UNIFORM_SYNC
+from rollq.harness.chaos.trainer import POLICY, is_scored
 from rollq.client import RolloutClient
 from rollq.harness.faults import RedisProcess
-from rollq.protocol import InvalidInput
 from rollq.queue.connection import connect
 from rollq.children import reap_group, stop_children
 from rollq.scoring.records import live_scorers, on_offer
@@ -90,13 +91,24 @@ class Summary(msgspec.Struct):
     """...`ok` with a reward missing or other than that..."""
     rewards_unchecked: int = 0
     """...logged without the trainer's verdict (must be none)."""
-    scored_refused: int = 0
-    """Scored submits refused: no live scorer offered the reward then (not acknowledged)."""
+    dynamic_groups: int = 0
+    """Scored groups of dynamic-sampling jobs..."""
+    filtered: int = 0
+    """...delivered `filtered` (rewards all equal after every regeneration)..."""
+    resampled: int = 0
+    """...and their regenerations (the jobs' `resampled` counters)."""
+    oversampled_jobs: int = 0
+    oversampled_wrong: int = 0
+    """Over-sampled jobs with more `ok` groups than `deliver`, fewer with some `cancelled`, or
+    not `done` at the end."""
+    scorer_exits: int = 0
+    """Times a scorer process ended without being killed (restarted; its log says why)."""
 
     @property
     def ok(self) -> bool:
         return (self.lost == 0 and self.duplicated == 0 and self.quota_drift == 0
-                and self.rewards_wrong == 0 and self.rewards_unchecked == 0)
+                and self.rewards_wrong == 0 and self.rewards_unchecked == 0
+                and self.oversampled_wrong == 0 and self.scorer_exits == 0)
 
 
 @dataclass
@@ -108,10 +120,16 @@ class _Run:
     workers: list[subprocess.Popen] = field(default_factory=list)
     scorers: list[subprocess.Popen] = field(default_factory=list)
     acknowledged: dict[str, int] = field(default_factory=dict)
-    """job id -> groups, for every submit that returned (scored jobs' ids start with `s`)."""
+    """job id -> groups, for every submit that returned (scored jobs' ids start with `s`, `d`
+    with dynamic sampling, `o` over-sampled)."""
+    deliver: dict[str, int] = field(default_factory=dict)
+    """Over-sampled job id -> its `deliver`."""
     verdicts: dict = field(default_factory=dict)
     """(job, group) -> the trainer's verdict on a scored group's rewards (`right`, `wrong`, `unscored`)."""
-    scored_refused: int = 0
+    ended: dict = field(default_factory=dict)
+    """(job, group) -> the status the trainer committed it with."""
+    scorer_exits: int = 0
+    stopping: bool = False
     seen: Counter = field(default_factory=Counter)
     """(job, group) -> times in the trainer's committed log."""
     doubled: set = field(default_factory=set)
@@ -159,6 +177,7 @@ class _Run:
                 for job, group, status in (item.split("/") for item in items):
                     self.seen[(job, int(group))] += 1
                     self.statuses[status] += 1
+                    self.ended[(job, int(group))] = status
             elif kind == "rewards":
                 for job, group, verdict in (item.split("/") for item in items):
                     self.verdicts[(job, int(group))] = verdict
@@ -199,30 +218,34 @@ async def _submitter(run: _Run, client: RolloutClient, until: float) -> None:
         window = {"max_staleness": 2} if index % 2 else {}
         scored = {}
         if index % 3 == 2 and run.settings.scorers:
-            job_id = f"s{index}"  # the group index is its reward input: the trainer recomputes it
+            kind = "sdo"[index // 3 % 3]  # plain, dynamic sampling, over-sampling (each sync and async)
+            job_id = f"{kind}{index}"  # the group index is its reward input: the trainer recomputes it
             scored = {"reward": SYNC if index % 2 else ASYNC, "reward_inputs": list(range(groups))}
-        try:
-            await client.submit([[index % 1000 + 1, g + 1] for g in range(groups)], n=2,
-                                sampling={"max_tokens": 4}, job_id=job_id, **window, **scored)
-        except InvalidInput as e:
-            if not scored or e.field != "reward":
-                raise
-            run.scored_refused += 1  # every scorer dead or frozen past its heartbeat just now
-            index += 1
-            continue
+            if kind == "d":
+                scored |= {"reward": UNIFORM_SYNC if index % 2 else UNIFORM_ASYNC,
+                           "dynamic_sampling": run.rng.randint(1, 2)}
+            elif kind == "o":
+                scored["deliver"] = run.deliver[job_id] = run.rng.randint(1, groups)
+        await client.submit([[index % 1000 + 1, g + 1] for g in range(groups)], n=2,
+                            sampling={"max_tokens": 4}, job_id=job_id, **window, **scored)
         run.acknowledged[job_id] = groups
         index += 1
         await asyncio.sleep(run.rng.uniform(0.0, 0.05))
 
 
 async def _watch_trainer(run: _Run, done: asyncio.Event) -> None:
-    """Read the trainer's log as it grows; restart the trainer if it ended by itself."""
+    """Read the trainer's log as it grows; restart the trainer, or a scorer, that ended by itself."""
     while not done.is_set():
         run.read_log()
         if run.trainer.poll() is not None:
             run.trainer_exits += 1
             console.print(f"[yellow]trainer exited with {run.trainer.returncode}; restarting[/yellow]")
             run.spawn_trainer()
+        for scorer in [p for p in run.scorers if p.poll() is not None and not run.stopping]:
+            run.scorer_exits += 1
+            console.print(f"[red]a scorer exited with {scorer.returncode} (scorer-*.log); restarting[/red]")
+            run.scorers.remove(scorer)
+            run.spawn_scorer()
         await asyncio.sleep(0.5)
 
 
@@ -318,6 +341,7 @@ async def chaos(s: ChaosSettings) -> Summary:
             # A duplicate would come from a worker or scorer still serving a group delivered
             # already: once they have exited (finishing what they held) and the trainer has
             # committed and acknowledged every result left, it is in the trainer's log.
+            run.stopping = True
             await asyncio.to_thread(run.stop_workers)
             await _results_acknowledged(client)
             done.set()
@@ -325,6 +349,7 @@ async def chaos(s: ChaosSettings) -> Summary:
             run.kill_trainer()
             run.read_log()
             drift = await _quota_drift(client)
+            jobs = await _scored_jobs(run, client)
             await client.close()
             lost = sorted(expected - set(run.seen))
             if lost:
@@ -335,7 +360,8 @@ async def chaos(s: ChaosSettings) -> Summary:
             run.stop_workers()
             run.redis.stop()
     doubled = {k for k, c in run.seen.items() if c > 1} | run.doubled
-    scored = {k for k in expected if k[0].startswith("s")}
+    scored = {k for k in expected if is_scored(k[0])}
+    dynamic = {k for k in scored if k[0].startswith("d")}
     delivered_scored = scored & set(run.seen)
     verdicts = Counter(run.verdicts.get(k, "none") for k in delivered_scored)
     return Summary(
@@ -345,7 +371,32 @@ async def chaos(s: ChaosSettings) -> Summary:
         faults=dict(run.faults), versions_published=run.versions - run.failed_publishes, quota_drift=drift,
         trainer_exits=run.trainer_exits, scored_groups=len(scored), scored_delivered=len(delivered_scored),
         rewards_right=verdicts["right"], rewards_wrong=verdicts["wrong"],
-        rewards_unchecked=verdicts["none"], scored_refused=run.scored_refused)
+        rewards_unchecked=verdicts["none"], dynamic_groups=len(dynamic),
+        filtered=sum(1 for k in dynamic if run.ended.get(k) == "filtered"), resampled=jobs["resampled"],
+        oversampled_jobs=len(run.deliver), oversampled_wrong=jobs["oversampled_wrong"],
+        scorer_exits=run.scorer_exits)
+
+
+async def _scored_jobs(run: _Run, client: RolloutClient) -> Counter:
+    """The dynamic-sampling jobs' regenerations, and the over-sampled jobs that broke a rule:
+    more `ok` than `deliver`, fewer with a group `cancelled` (the cut came before k were
+    picked: only a group that failed after its pick may make up the difference), or not
+    `done` (it delivered what it was asked)."""
+    found = Counter()
+    for job in [j for j in run.acknowledged if j[0] in "do"]:
+        status = await client.status(job)
+        if job[0] == "d":
+            found["resampled"] += status.resampled if status else 0
+            continue
+        ended = Counter(run.ended.get((job, g)) for g in range(run.acknowledged[job]))
+        deliver = run.deliver[job]
+        wrong = (status is None or status.state != "done" or ended["ok"] > deliver
+                 or (ended["cancelled"] and ended["ok"] + ended["failed"] < deliver))
+        if wrong:
+            console.print(f"[red]over-sampled job {job} (deliver {deliver}): results {dict(ended)}, "
+                          f"state {status.state if status else None}[/red]")
+        found["oversampled_wrong"] += wrong
+    return found
 
 
 async def _scorers_offer(client: RolloutClient, scorers: int, timeout_s: float = 60.0) -> None:
@@ -415,4 +466,7 @@ def render(summary: Summary) -> None:
                   f"{summary.trainer_exits}; seed {summary.seed}")
     console.print(f"scored groups {summary.scored_groups}, delivered {summary.scored_delivered}; rewards "
                   f"right {summary.rewards_right}, wrong {summary.rewards_wrong}, unchecked "
-                  f"{summary.rewards_unchecked}; scored submits refused {summary.scored_refused}")
+                  f"{summary.rewards_unchecked}; scorer exits {summary.scorer_exits}")
+    console.print(f"dynamic sampling: {summary.dynamic_groups} groups, {summary.filtered} filtered, "
+                  f"{summary.resampled} regenerations; over-sampling: {summary.oversampled_jobs} jobs, "
+                  f"{summary.oversampled_wrong} wrong")

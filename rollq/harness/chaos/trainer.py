@@ -8,11 +8,13 @@ commit), so a restarted trainer skips (and acknowledges) results it trained on a
 Log lines are `<kind> <item> ...`: `step-take` / `step-break` (committed, items
 `job/group/status`), `replayed` (handed again after a restart, committed before: skipped),
 `acked`, and `dup`: what must never happen, a result handed twice to one life of the process or
-handed again after it was acknowledged. Scored jobs (ids `s...`) add `rewards` (committed with
-the step, items `job/group/verdict`): `right` when an `ok` group's rewards are each exactly the
-chaos reward recomputed from its samples (`rollq/harness/chaos/rewards.py`), `wrong` when not
-(a missing, stale or other reward, or a reward error), `unscored` for a group that ended
-otherwise (its status is in the step line).
+handed again after it was acknowledged. Scored jobs (ids `s...`, `d...` with dynamic sampling,
+`o...` over-sampled) add `rewards` (committed with the step, items `job/group/verdict`): `right`
+when an `ok` group's rewards are each exactly the chaos reward recomputed from its samples
+(`rollq/harness/chaos/rewards.py`), and when a `filtered` group is an even group of a `d` job
+with its uniform rewards and no samples; `wrong` when not (a missing, stale or other reward, a
+reward error, an odd group filtered or an even one delivered, a `cancelled` result with
+samples); `unscored` for a group that ended otherwise (its status is in the step line).
 
     python -m rollq.harness.chaos.trainer REDIS_URL LOG SEED
 """
@@ -26,7 +28,7 @@ import sys
 from pathlib import Path
 
 from rollq.client import RolloutClient
-from rollq.harness.chaos.rewards import ASYNC, SYNC, expected
+from rollq.harness.chaos.rewards import ASYNC, SYNC, UNIFORM_ASYNC, UNIFORM_SYNC, expected, expected_dynamic
 from rollq.protocol import GroupResult
 
 POLICY = "chaos"
@@ -48,16 +50,25 @@ def repair(path: Path) -> list[str]:
 
 
 def is_scored(job_id: str) -> bool:
-    return job_id.startswith("s")
+    return job_id[:1] in ("s", "d", "o")
 
 
 def verdict(result: GroupResult) -> str:
     """A scored group's rewards against the chaos reward recomputed from its own samples."""
+    dynamic = result.job_id.startswith("d")
+    rewards, fn = ((UNIFORM_SYNC, UNIFORM_ASYNC), expected_dynamic) if dynamic else ((SYNC, ASYNC), expected)
+    if result.status == "cancelled":
+        return "wrong" if result.samples else "unscored"  # a cancelled result carries no samples
+    if result.status == "filtered":
+        right = (dynamic and result.group_index % 2 == 0 and not result.samples
+                 and result.rewards == [float(result.group_index)] * 2 and result.reward in rewards)
+        return "right" if right else "wrong"
     if result.status != "ok":
         return "unscored"
-    want = [expected(s.token_ids, i, result.group_index) for i, s in enumerate(result.samples)]
-    right = (result.rewards == want and result.reward in (SYNC, ASYNC) and result.reward_version == "1"
-             and not any(result.reward_errors) and result.scorer_id != "" and len(want) > 0)
+    want = [fn(s.token_ids, i, result.group_index) for i, s in enumerate(result.samples)]
+    right = (result.rewards == want and result.reward in rewards and result.reward_version == "1"
+             and not any(result.reward_errors) and result.scorer_id != "" and len(want) > 0
+             and not (dynamic and result.group_index % 2 == 0))  # an even group's are all equal
     return "right" if right else "wrong"
 
 

@@ -162,7 +162,9 @@ end
 local function complete(record)
   local job, done = record.key, record.done
   if record.finished >= tonumber(redis.call('HGET', job, JOB_GROUPS)) then
-    if redis.call('HGET', job, JOB_STATE) == STATE_PENDING then
+    local state = redis.call('HGET', job, JOB_STATE)
+    -- A job cancelled by over-sampling's cut (score_pick.lua) delivered all it was asked.
+    if state == STATE_PENDING or (state == STATE_CANCELLED and redis.call('HEXISTS', job, JOB_CUT) == 1) then
       redis.call('HSET', job, JOB_STATE, STATE_DONE)
     end
     redis.call('HSET', job, JOB_FINISHED_AT, redis.call('TIME')[1])
