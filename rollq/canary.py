@@ -133,8 +133,11 @@ _decoder = msgspec.msgpack.Decoder(Canary)
 
 
 def encode_canary(canary: Canary) -> bytes:
+    """A canary built in Python -> its bytes, checked as a worker will check them (msgspec checks
+    the constraints only as it decodes): the token budget first, in its own words."""
+    validate_canary(canary)
     data = msgspec.msgpack.encode(canary)
-    validate_canary(decode_canary(data))  # the limits a worker checks, checked before it leaves
+    decode_canary(data)
     return data
 
 
