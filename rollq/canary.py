@@ -217,23 +217,37 @@ def reference(model: Any, sequences: list[list[int]] | None = None, *, texts: li
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(param.dtype)
     if dtype is None:
         raise InvalidInput("model", f"computes in {param.dtype}; a canary knows float32, bfloat16, float16")
-    logprobs = [_sequence_logprobs(model, ids, param.device) for ids in sequences]
+    if any(len(ids) < 2 for ids in sequences):
+        raise InvalidInput("sequences", "a sequence needs two tokens at least (the first has no logprob)")
+    logprobs = _logprobs(model, sequences, param.device)
     canary = Canary(sequences=[pack_tokens(s) for s in sequences],
                     logprobs=[pack_floats(lp) for lp in logprobs], dtype=dtype, tolerance=tolerance)
     validate_canary(canary)
     return canary
 
 
-def _sequence_logprobs(model: Any, ids: list[int], device: torch.device) -> list[float]:
+def _logprobs(model: Any, sequences: list[list[int]], device: torch.device) -> list[list[float]]:
+    """Each token's logprob after the first, sequences of one length in one batch (the default's
+    eight are one forward pass), in eval mode (no dropout), the model's mode given back after."""
     import torch
 
-    if len(ids) < 2:
-        raise InvalidInput("sequences", "a sequence needs two tokens at least (the first has no logprob)")
-    with torch.inference_mode():
-        x = torch.tensor([ids], device=device)
-        logits = model(x, attention_mask=torch.ones_like(x)).logits[0, :-1].float()
-        lp = torch.log_softmax(logits, dim=-1)
-        return lp[torch.arange(len(ids) - 1, device=device), x[0, 1:]].tolist()
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(sequences):
+        by_length.setdefault(len(ids), []).append(i)
+    out: list[list[float]] = [[] for _ in sequences]
+    training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for rows in by_length.values():
+                x = torch.tensor([sequences[i] for i in rows], device=device)
+                logits = model(x, attention_mask=torch.ones_like(x)).logits[:, :-1].float()
+                lp = torch.log_softmax(logits, dim=-1).gather(-1, x[:, 1:, None])[..., 0]
+                for i, values in zip(rows, lp.tolist()):
+                    out[i] = values
+    finally:
+        model.train(training)
+    return out
 
 
 # --- The verdict -----------------------------------------------------------------------------

@@ -9,8 +9,9 @@ import msgspec
 import pytest
 
 from rollq.canary import (MAX_CANARY_BYTES, MAX_CANARY_SEQUENCES, MAX_CANARY_TOKENS, TOLERANCES, Canary,
-                          Tolerance, compare, decode_canary, default_sequences, encode_canary)
-from rollq.protocol import InvalidInput, pack_floats, pack_tokens
+                          Tolerance, compare, decode_canary, default_sequences, encode_canary,
+                          reference)
+from rollq.protocol import InvalidInput, pack_floats, pack_tokens, unpack_floats
 
 
 def canary(seqs, lps, **kw) -> Canary:
@@ -68,3 +69,20 @@ def test_compare_figures_and_a_nan_refuses():
     nan = compare(c, [[-1.0, math.nan]], engine_dtype="bfloat16", tolerance=Tolerance(1e9, 1e9, 1e9))
     assert not nan.accepted and nan.max_abs == math.inf
     assert TOLERANCES["float32"].max_abs < TOLERANCES["bfloat16"].max_abs
+
+
+def test_reference_batches_by_length_gives_the_model_its_mode_back_and_matches_teacher_forcing(tmp_path):
+    from models import load_reference, make_model, token_logprobs
+
+    model = load_reference(make_model(tmp_path / "m")).train()
+    sequences = [[5, 6, 7, 8], [9, 10, 11, 12], [300, 2]]
+    c = reference(model, sequences)
+    assert model.training and c.dtype == "float32" and c.token_ids() == sequences
+    model.eval()
+    for ids, values in zip(sequences, c.logprobs):
+        expected = token_logprobs(model, ids[:1], ids[1:])
+        assert max(abs(a - b) for a, b in zip(unpack_floats(values), expected)) < 1e-5
+    with pytest.raises(InvalidInput, match="two tokens at least"):
+        reference(model, [[1]])
+    with pytest.raises(InvalidInput, match="texts need the tokenizer"):
+        reference(model, texts=["w9 w10"])

@@ -14,8 +14,9 @@ import pytest
 import torch
 from models import load_reference
 
-from rollq.canary import TOLERANCES, reference
+from rollq.canary import TOLERANCES, Canary, reference
 from rollq.engine.canary_check import check
+from rollq.protocol import InvalidInput, pack_floats, pack_tokens
 
 F32 = TOLERANCES["float32"]
 
@@ -86,3 +87,14 @@ async def test_texts_and_a_bf16_trainer_take_the_coarser_dtype_and_the_publish_o
     assert not (await check(chat_engine.llm, canary, tolerance=F32)).accepted
     canary.tolerance = TOLERANCES["bfloat16"]
     assert (await check(chat_engine.llm, canary, tolerance=F32)).accepted
+
+
+@pytest.mark.parametrize("ids, words", [
+    ([5, 512], "holds token id 512; this engine's vocabulary has 512 ids"),
+    (list(range(300)), "has 300 tokens; this engine's max_model_len is 256")])
+async def test_a_canary_the_engine_cannot_score_is_the_publishers_mistake(chat_engine, ids, words):
+    canary = Canary(sequences=[pack_tokens(ids)], logprobs=[pack_floats([-1.0] * (len(ids) - 1))],
+                    dtype="float32")
+    with pytest.raises(InvalidInput, match=words) as e:
+        await check(chat_engine.llm, canary)
+    assert e.value.field == "canary.sequences[0]"

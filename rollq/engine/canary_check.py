@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 from rollq.canary import Canary, Tolerance, Verdict, compare
+from rollq.protocol import InvalidInput
 
 
 async def engine_logprobs(llm: Any, canary: Canary, *, lora_request: Any = None) -> list[list[float]]:
@@ -47,6 +48,19 @@ async def engine_logprobs(llm: Any, canary: Canary, *, lora_request: Any = None)
     return list(await asyncio.gather(*(score(i, ids) for i, ids in enumerate(canary.token_ids()))))
 
 
+def fits(llm: Any, canary: Canary, field: str = "canary") -> None:
+    """A canary this engine cannot score (ids beyond its vocabulary, a sequence longer than its
+    model length) is the publisher's mistake, said as such, not a version refused by figures."""
+    vocab, longest = llm.model_config.get_vocab_size(), llm.model_config.max_model_len
+    for i, ids in enumerate(canary.token_ids()):
+        if len(ids) > longest:
+            raise InvalidInput(f"{field}.sequences[{i}]", f"has {len(ids)} tokens; this engine's "
+                               f"max_model_len is {longest}")
+        if max(ids) >= vocab:
+            raise InvalidInput(f"{field}.sequences[{i}]", f"holds token id {max(ids)}; this engine's "
+                               f"vocabulary has {vocab} ids (0..{vocab - 1})")
+
+
 def engine_dtype(llm: Any) -> str:
     """The dtype vLLM runs the model in, by its torch name without `torch.`."""
     return str(llm.model_config.dtype).removeprefix("torch.")
@@ -56,5 +70,6 @@ async def check(llm: Any, canary: Canary, *, tolerance: Tolerance | None = None,
                 lora_request: Any = None) -> Verdict:
     """Score the canary on the engine and judge it: the worker's `tolerance` unless the publish
     overrides it, the dtype's default when neither is given (`rollq.canary.compare`)."""
+    fits(llm, canary)
     scored = await engine_logprobs(llm, canary, lora_request=lora_request)
     return compare(canary, scored, engine_dtype=engine_dtype(llm), tolerance=tolerance)
