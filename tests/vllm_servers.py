@@ -31,6 +31,7 @@ SHARED = {
     "tests/test_tokenize_vllm.py": "chat-model",
     "tests/test_trl_vllm_client.py": "chat-model",
     "tests/test_token_ids_flag_vllm.py": "chat-model",
+    "tests/test_canary_vllm.py": "chat-model",
     "tests/test_tools_vllm.py": "tool-model-hermes",
     "tests/test_conversations_vllm.py": "tool-model-hermes",
     "tests/test_renderers_client_vllm.py": "tool-model-hermes",
