@@ -20,6 +20,7 @@ from redis.exceptions import ResponseError
 
 from rollq.protocol import ScoreItem, ScoreSpec, encode
 from rollq.queue.connection import NotReplicated, check_replicated, durability
+from rollq.queue import members
 from rollq.queue.keys import Keys, base_trainer
 from rollq.queue.names import Group, JobField, JobState, Reply, WorkField
 from rollq.queue.prune import PRUNE_EVERY_S, expire_results, prune_trainers
@@ -173,7 +174,7 @@ class WorkQueue:
         """The streams to claim from: groups routed to this worker, then every trainer's own
         stream, then groups routed to a worker that is gone or serves another version now."""
         self.stale = False
-        trainers = sorted(t.decode() for t in await self.redis.smembers(self.keys.trainers))
+        trainers = members.trainer_ids(self.keys.trainers, await self.redis.smembers(self.keys.trainers))
         if time.monotonic() >= self._next_trainer_prune:
             self._next_trainer_prune = time.monotonic() + PRUNE_EVERY_S
             gone = await prune_trainers(self.redis, self.scripts, self.keys, trainers)
@@ -188,16 +189,15 @@ class WorkQueue:
         routed = await self.redis.hgetall(self.keys.routed)
         if not routed:
             return shared
-        routes = {s.decode(): (self.keys.route_of(s.decode()), float(at)) for s, at in routed.items()}
-        named = sorted({route[1] for route, _ in routes.values() if route})
+        routes, malformed = members.routes(self.keys, routed)
+        if malformed:  # skipped (and logged); gone, so that no worker reads them again
+            await self.redis.hdel(self.keys.routed, *malformed)
+        named = sorted({worker for _, worker, _, _ in routes.values()})
         beats = await self.redis.mget([self.keys.worker(w) for w in named])
         serving = {w: msgspec.json.decode(b, type=WorkerState).version
                    for w, b in zip(named, beats) if b}
         mine, orphaned, idle = [], [], []
-        for stream, (route, at) in sorted(routes.items()):
-            if route is None:
-                continue
-            _, worker, version = route
+        for stream, (_, worker, version, at) in sorted(routes.items()):
             if worker == self.consumer:
                 mine.append(stream)
             elif serving.get(worker) != version:
