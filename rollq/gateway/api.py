@@ -86,7 +86,7 @@ async def submit(request: web.Request) -> web.Response:
             for i, group in enumerate(body.images)]
         job_id = await gw.client(policy, who.trainer).submit(
             body.prompts, body.n, body.sampling, job_id=body.job_id, deadline_s=body.deadline_s,
-            meta=body.meta, wait=False, images=images, **body.asked())
+            meta=body.meta, wait=False, images=images, **body.asked(), **body.scoring())
     return reply(request, Submitted(job_id, len(body.prompts)), status=201)
 
 
