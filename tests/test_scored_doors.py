@@ -1,11 +1,14 @@
-"""Scored rollouts for every trainer (issue 43): one with a Redis ACL user from `rollq acl` and
-one over HTTP (`POST .../jobs` with the reward fields) each get their groups back scored by a
-real `rollq scorer`, with the rewards its function gives; bad reward fields over HTTP are a 400
-naming the field."""
+"""Scored rollouts for every trainer (issue 43): one with a Redis ACL user from `rollq acl`, one
+over HTTP (`POST .../jobs` with the reward fields) and TRL's client (`/v1/completions`) each get
+their samples back scored by a real `rollq scorer`, with the rewards its function gives; bad
+reward fields over HTTP are a 400 naming the field."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
+import pytest
 import scoring_fixtures
 from helpers import wait_until
 from test_scoring import _expected
@@ -14,10 +17,13 @@ from rollq.client import RolloutClient
 from rollq.scoring.records import live_scorers
 from rollq.security import trainer_acl
 
+pytest.importorskip("trl")
+from rollq.integrations.trl import RollqVLLMClient, rollq_rewards  # noqa: E402
+
 spawn_scorer = scoring_fixtures.spawn_scorer
 
 
-async def test_acl_and_http_trainers_submit_scored_jobs_and_get_their_rewards(
+async def test_acl_http_and_trl_trainers_get_scored_samples_with_their_rewards(
         redis, redis_url, policy, make_worker, make_gateway, spawn_scorer):
     user = f"carol-{policy}"
     await redis.execute_command("ACL", "SETUSER", user, *trainer_acl(policy, "carol", "carol-pw")[1:])
@@ -62,6 +68,19 @@ async def test_acl_and_http_trainers_submit_scored_jobs_and_get_their_rewards(
                 ("scored", "ok", "acount", "3")
             assert view["rewards"] == [(sum(t) * 31 + inputs) % 1009 / 1009 for t in tokens]
             assert not any(view["reward_errors"])
+
+        # TRL's client (its generation_kwargs go into the /v1/completions body) asks for the
+        # reward; rollq_rewards gives TRL what the scorer gave each completion.
+        trl = await asyncio.to_thread(RollqVLLMClient, base_url=gw.url, publisher=None,
+                                      api_key=gw.tokens["bob"], connection_timeout=10)
+        try:
+            out = await asyncio.to_thread(trl.generate, [[4, 5], [6]], n=2, max_tokens=3,
+                                          generation_kwargs={"reward": "count", "reward_inputs": [7, 8]})
+        finally:
+            trl.session.close()
+        ids = out["completion_ids"]
+        rewards = rollq_rewards(trl)(completion_ids=ids[::-1])
+        assert rewards[::-1] == [(sum(t) * 31 + 7 + i // 2) % 1009 / 1009 for i, t in enumerate(ids)]
     finally:
         await carol.close()
         await redis.execute_command("ACL", "DELUSER", user)

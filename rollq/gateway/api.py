@@ -353,7 +353,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async def submit(client: RolloutClient, job_id: str, window: dict) -> str:
         async with heavy_turn(request, data):  # the work items' encoding
             return await client.submit(sent, req.n, sampling, job_id=job_id, deadline_s=req.timeout_s,
-                                       wait=False, **window)
+                                       wait=False, **window, **req.scoring())
 
     job_id = oai.new_job_id()
     results = await run_job(gw, policy, who, job_id, len(sent), req, submit)
