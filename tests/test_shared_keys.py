@@ -25,9 +25,10 @@ JUNK = b"\xff\xfe:x"
 """Not UTF-8, and a ':' where no id has one."""
 
 
-WRONG, ENTRY = "wrong type", "entry"
+WRONG, ENTRY, SUBMIT = "wrong type", "entry", "submit"
 """What an attack is: a write that would give the key another type (the ACL must refuse it), or
-an entry of the right type, maybe malformed (its readers must skip it)."""
+an entry of the right type, maybe malformed (its readers must skip it); or alice's submit of a
+job (`SUBMIT`, job id), queued for the worker."""
 
 
 def _attacks(k: Keys) -> dict[str, list[tuple]]:
@@ -61,6 +62,9 @@ def _attacks(k: Keys) -> dict[str, list[tuple]]:
         "own work stream": [(WRONG, "SET", k.work("alice"), "x"), (WRONG, "HSET", k.work("alice"), "x", 1),
                             (WRONG, "SADD", k.work("alice~x~y"), "x"),
                             (ENTRY, "SADD", k.trainers, "alice", "alice~x~y")],
+        # Every worker reads the state of the jobs it claims groups of.
+        "own job record": [(SUBMIT, "j"), (ENTRY, "HSET", k.job("alice", "j"), "state", "junk", "groups", "x"),
+                           (SUBMIT, "k"), (ENTRY, "HSET", k.job("alice", "k"), "state", b"\xff")],
         "own counters": [(WRONG, "HSET", k.outstanding("alice~x~y"), "x", 1),
                          (WRONG, "ZADD", k.outstanding_bytes("alice"), 1, "x"),
                          (ENTRY, "SET", k.outstanding("alice"), "abc"),
@@ -93,6 +97,9 @@ async def test_a_trainers_writes_to_a_key_others_read_stop_no_one(key, users, re
     keys = Keys(policy)
     alice, bob = users
     for kind, *command in _attacks(keys)[key]:
+        if kind == SUBMIT:
+            await alice.submit([[9]], n=1, sampling={"max_tokens": 2}, job_id=command[0])
+            continue
         try:
             await alice.redis.execute_command(*command)
         except NoPermissionError:

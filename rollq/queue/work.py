@@ -113,11 +113,19 @@ def _warn_unreplicated(wait_reply, wanted) -> None:
         log.warning("results written but not replicated: %s", e)
 
 
-_STATES = {state.encode() for state in JobState}
+_STATE_OF = {state.encode(): state for state in JobState}
+_STATES = set(_STATE_OF)
 
 
-def _job_state(value: bytes | None) -> JobState | None:
-    return None if value is None else JobState(_text(value))
+def _job_state(value: bytes | None, job: str = "") -> JobState | None:
+    """A job record's state; one rollq never writes (the trainer's own Redis user did) is
+    skipped and logged: None, as for a job without a record."""
+    if value is None:
+        return None
+    state = _STATE_OF.get(value)
+    if state is None:
+        members.skip(job, value, "not a job state")
+    return state
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -535,7 +543,7 @@ class WorkQueue:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for job in distinct:
                     pipe.hget(job, JobField.STATE)
-                states.update(zip(distinct, map(_job_state, await pipe.execute())))
+                states.update(zip(distinct, map(_job_state, await pipe.execute(), distinct)))
         return {key: states[job] for key, job in jobs.items()}
 
     def _jobs(self, claimed: list[Claimed]) -> dict[tuple[str, str], str]:
