@@ -63,7 +63,8 @@ def _attacks(k: Keys) -> dict[str, list[tuple]]:
                             (WRONG, "SADD", k.work("alice~x~y"), "x"),
                             (ENTRY, "SADD", k.trainers, "alice", "alice~x~y")],
         # Every worker reads the state of the jobs it claims groups of.
-        "own job record": [(SUBMIT, "j"), (ENTRY, "HSET", k.job("alice", "j"), "state", "junk", "groups", "x"),
+        "own job record": [(SUBMIT, "j"),
+                           (ENTRY, "HSET", k.job("alice", "j"), "state", "junk", "groups", "x"),
                            (SUBMIT, "k"), (ENTRY, "HSET", k.job("alice", "k"), "state", b"\xff")],
         "own counters": [(WRONG, "HSET", k.outstanding("alice~x~y"), "x", 1),
                          (WRONG, "ZADD", k.outstanding_bytes("alice"), 1, "x"),
