@@ -79,7 +79,7 @@ async def test_acl_http_and_trl_trainers_get_scored_samples_with_their_rewards(
         finally:
             trl.session.close()
         ids = out["completion_ids"]
-        rewards = rollq_rewards(trl)(completion_ids=ids[::-1])
+        rewards = rollq_rewards(lambda: trl)(completion_ids=ids[::-1])
         assert rewards[::-1] == [(sum(t) * 31 + 7 + i // 2) % 1009 / 1009 for i, t in enumerate(ids)]
     finally:
         await carol.close()

@@ -32,7 +32,7 @@ Everything else (`generate`'s payload, logprob parsing, `reset_prefix_cache`) is
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from collections import deque
 from dataclasses import dataclass, field
@@ -200,17 +200,23 @@ class RollqVLLMClient(VLLMClient):
                                                     prompt_length, top_logprobs)
 
 
-def rollq_rewards(client: RollqVLLMClient, name: str = "rollq_reward"):
-    """A TRL reward function (`reward_funcs=[rollq_rewards(trainer.rollq_client)]`): each
-    completion's reward as rollq's scorers gave it, for generations that asked for one
-    (`generation_kwargs={"reward": ...}`); None (TRL: NaN, ignored) for a completion the client
-    did not generate with a reward. Completions are matched by their token ids among the client's
-    recent calls (`history`), so it holds where the client generates: TRL's main process."""
+def rollq_rewards(client: RollqVLLMClient | Callable[[], RollqVLLMClient], name: str = "rollq_reward"):
+    """A TRL reward function: each completion's reward as rollq's scorers gave it, for generations
+    that asked for one (`generation_kwargs={"reward": ...}`); None (TRL: NaN, ignored) for a
+    completion the client did not generate with a reward. `client`, or a function that returns
+    it (the trainer makes its client after its reward functions):
+
+        trainer = RollqGRPOTrainer(..., reward_funcs=[rollq_rewards(lambda: trainer.rollq_client)])
+
+    Completions are matched by their token ids among the client's recent calls (`history`), so it
+    holds where the client generates: TRL's main process."""
+    get = client if callable(client) else lambda: client
+
     def reward(prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
         if completion_ids is None:
             raise ValueError("rollq_rewards needs TRL's `completion_ids` (TRL >= 0.20 passes them)")
         given: dict[tuple[int, ...], list[float | None]] = {}
-        for g in reversed(list(client.generations)):  # the newest call's first
+        for g in reversed(list(get().generations)):  # the newest call's first
             for ids, value in zip(g.completion_ids, g.rewards):
                 given.setdefault(tuple(ids), []).append(value)
         out = []
