@@ -80,7 +80,8 @@ async def policy_status(redis: Redis, policy: str) -> PolicyStatus:
                 running += (await redis.xpending(stream, Group.WORKERS))["pending"]
         queues.append(TrainerQueue(trainer, total - running, running,
                                    await redis.xlen(keys.results(trainer)),
-                                   int(await redis.get(keys.outstanding(trainer)) or 0)))
+                                   members.count(keys.outstanding(trainer),
+                                                 await redis.get(keys.outstanding(trainer)))))
     return PolicyStatus(policy, await registry.latest(),
                         [e.version for e in await registry.entries()],
                         await live_workers(redis, keys), queues, await live_scorers(redis, keys),

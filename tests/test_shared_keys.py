@@ -106,6 +106,7 @@ async def test_a_trainers_writes_to_a_key_others_read_stop_no_one(key, users, re
         except NoPermissionError:
             continue  # refused by the ACL
         assert kind == ENTRY, f"{command[:2]} was let through: it gives the key another type"
+    await policy_status(redis, policy)  # as written (a worker would soon prune some of it)
     _, task = make_worker("w1")
     # Another trainer is served, also with a version bound (listed in bounded-jobs).
     await bob.submit([[1, 2]], n=1, sampling={"max_tokens": 2}, job_id="plain")

@@ -110,6 +110,15 @@ def _records(keys: Keys, key: str, kind: str, members: Iterable[bytes | str]) ->
     return found
 
 
+def count(key: str, value: bytes | str | None) -> int:
+    """A counter's value (0 for none); one that is no integer: skipped and logged (0)."""
+    try:
+        return int(value or 0)
+    except ValueError:
+        skip(key, value, "not a count")
+        return 0
+
+
 def version(key: str, value: bytes | str | None) -> int | None:
     """A version number a record holds (None for none); malformed: skipped and logged (None)."""
     if value is None or value == b"" or value == "":
