@@ -55,7 +55,8 @@ def _attacks(k: Keys) -> dict[str, list[tuple]]:
                    # review-turn4/prove_acl_routed_kills_workers.py's field first
                    (ENTRY, "HSET", k.routed, f"{k.work('alice')}~x:nobody:junk", 1, routed, "soon",
                     f"{routed}:4", 1, JUNK, 1, f"{k.work('alice')}:w1:1e3", 1, k.work("alice"), 1,
-                    k.routed_work("alice", "w1", 4), "nan", k.routed_work("alice", "w2", 5), "inf")],
+                    k.routed_work("alice", "w1", 4), "nan", k.routed_work("alice", "w2", 5), "inf",
+                    k.routed_work("alice", "w3", 6), int(time.time()))],  # (well formed)
         "scoring-trainers": [(WRONG, "ZADD", k.scoring_trainers, 1, "x"),
                              (WRONG, "HSET", k.scoring_trainers, "x", 1),
                              (ENTRY, "SADD", k.scoring_trainers, JUNK, "a:b", "a~b")],
@@ -119,6 +120,8 @@ async def test_a_trainers_writes_to_a_key_others_read_stop_no_one(key, users, re
     [after] = await bob.take(1, timeout_s=20)
     assert after.status == "ok"
     assert not task.done()
+    if key == "routed":  # the worker dropped what it skipped, and kept the well-formed field
+        assert await redis.hkeys(keys.routed) == [keys.routed_work("alice", "w3", 6).encode()]
     # `rollq status` (and the gateway's /status), retention and the scorers' listing read them.
     status = await policy_status(redis, policy)
     assert all(":" not in q.trainer for q in status.queues + status.scoring)

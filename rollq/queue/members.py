@@ -21,14 +21,15 @@ _warned: set[tuple[str, bytes | str]] = set()
 
 
 def skip(key: str, member: bytes | str, why: str) -> None:
-    """Log a malformed entry of `key` once (per process), naming it."""
+    """Log a malformed entry of `key` once (per process), naming it (its first 200 characters)."""
+    member = member[:200]
     if (key, member) in _warned:
         return
     if len(_warned) >= _WARNED_MAX:
         _warned.clear()
     _warned.add((key, member))
     log.warning("%s: skipping %r (%s); rollq never writes such an entry: a trainer's Redis user did",
-                key, member[:200], why)
+                key, member, why)
 
 
 def _text(value: bytes | str) -> str | None:

@@ -201,7 +201,7 @@ class WorkQueue:
         if malformed:  # skipped (and logged); gone, so that no worker reads them again
             await self.redis.hdel(self.keys.routed, *malformed)
         named = sorted({worker for _, worker, _, _ in routes.values()})
-        beats = await self.redis.mget([self.keys.worker(w) for w in named])
+        beats = await self.redis.mget([self.keys.worker(w) for w in named]) if named else []
         serving = {w: msgspec.json.decode(b, type=WorkerState).version
                    for w, b in zip(named, beats) if b}
         mine, orphaned, idle = [], [], []
