@@ -122,6 +122,8 @@ async def test_a_trainers_writes_to_a_key_others_read_stop_no_one(key, users, re
     assert not task.done()
     if key == "routed":  # the worker dropped what it skipped, and kept the well-formed field
         assert await redis.hkeys(keys.routed) == [keys.routed_work("alice", "w3", 6).encode()]
+    if key == "trainers":  # the same for the trainers set (well-formed ids leave when pruned)
+        assert not {JUNK, b"a:b:c", b"~", b"a~b"} & await redis.smembers(keys.trainers)
     # `rollq status` (and the gateway's /status), retention and the scorers' listing read them.
     status = await policy_status(redis, policy)
     assert all(":" not in q.trainer for q in status.queues + status.scoring)

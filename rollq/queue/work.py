@@ -182,7 +182,11 @@ class WorkQueue:
         """The streams to claim from: groups routed to this worker, then every trainer's own
         stream, then groups routed to a worker that is gone or serves another version now."""
         self.stale = False
-        trainers = members.trainer_ids(self.keys.trainers, await self.redis.smembers(self.keys.trainers))
+        listed = await self.redis.smembers(self.keys.trainers)
+        trainers = members.trainer_ids(self.keys.trainers, listed)
+        if len(trainers) < len(listed):  # skipped (and logged); gone, so that no worker reads them again
+            valid = {t.encode() for t in trainers}
+            await self.redis.srem(self.keys.trainers, *(m for m in listed if m not in valid))
         if time.monotonic() >= self._next_trainer_prune:
             self._next_trainer_prune = time.monotonic() + PRUNE_EVERY_S
             gone = await prune_trainers(self.redis, self.scripts, self.keys, trainers)
