@@ -53,6 +53,13 @@ async def test_acl_http_and_trl_trainers_get_scored_samples_with_their_rewards(
                 async with http.post(jobs, json=body) as r:
                     error = (await r.json())["error"]
                     assert (r.status, error["field"]) == (400, field), error
+            # A chat takes them too (one conversation: one entry of reward_inputs).
+            chat = {"model": policy, "messages": [{"role": "user", "content": "w1"}], "reward": "count"}
+            for bad, field in (({"reward_inputs": [1, 2]}, "reward_inputs"),
+                               ({"reward_errors": "ignore"}, "reward_errors")):
+                async with http.post("/v1/chat/completions", json=chat | bad) as r:
+                    error = (await r.json())["error"]
+                    assert (r.status, error["field"]) == (400, field), error
             body = {"prompts": [[7, 8], [9]], "n": 2, "sampling": {"max_tokens": 3}, "job_id": "scored",
                     "reward": "acount", "reward_inputs": [10, 20], "reward_errors": "fail"}
             async with http.post(jobs, json=body) as r:
