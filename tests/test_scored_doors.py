@@ -10,10 +10,11 @@ import asyncio
 import aiohttp
 import pytest
 import scoring_fixtures
+import scoring_rewards
 from helpers import wait_until
-from test_scoring import _expected
 
 from rollq.client import RolloutClient
+from rollq.scoring import Completion
 from rollq.scoring.records import live_scorers
 from rollq.security import trainer_acl
 
@@ -40,7 +41,8 @@ async def test_acl_http_and_trl_trainers_get_scored_samples_with_their_rewards(
         got = sorted(await carol.take(2, timeout_s=60), key=lambda r: r.group_index)
         assert [(r.job_id, r.status, r.reward) for r in got] == [(job, "ok", "count")] * 2
         for r, inputs in zip(got, (5, 6)):
-            assert r.rewards == _expected("count", r, inputs) and r.scorer_id == scorer.scorer_id
+            assert r.rewards == [_count(s.token_ids, inputs) for s in r.samples]
+            assert r.scorer_id == scorer.scorer_id
         assert not [e for e in await redis.acl_log() if e["username"] == user]  # nothing refused
 
         async with aiohttp.ClientSession(gw.url, headers=gw.headers("bob")) as http:
@@ -73,7 +75,7 @@ async def test_acl_http_and_trl_trainers_get_scored_samples_with_their_rewards(
             inputs = 10 * (view["group_index"] + 1)
             assert (view["job_id"], view["status"], view["reward"], view["reward_version"]) == \
                 ("scored", "ok", "acount", "3")
-            assert view["rewards"] == [(sum(t) * 31 + inputs) % 1009 / 1009 for t in tokens]
+            assert view["rewards"] == [_count(t, inputs) for t in tokens]
             assert not any(view["reward_errors"])
 
         # TRL's client (its generation_kwargs go into the /v1/completions body) asks for the
@@ -87,10 +89,15 @@ async def test_acl_http_and_trl_trainers_get_scored_samples_with_their_rewards(
             trl.session.close()
         ids = out["completion_ids"]
         rewards = rollq_rewards(lambda: trl)(completion_ids=ids[::-1])
-        assert rewards[::-1] == [(sum(t) * 31 + 7 + i // 2) % 1009 / 1009 for i, t in enumerate(ids)]
+        assert rewards[::-1] == [_count(t, 7 + i // 2) for i, t in enumerate(ids)]
     finally:
         await carol.close()
         await redis.execute_command("ACL", "DELUSER", user)
+
+
+def _count(tokens: list[int], inputs) -> float:
+    """What tests/scoring_rewards.py's `count` (and `acount`) gives a completion of `tokens`."""
+    return scoring_rewards.count(Completion("", tokens, "length", 0), inputs)
 
 
 async def _offered(redis, client) -> bool:
