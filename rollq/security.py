@@ -3,7 +3,7 @@
     ACL SETUSER <trainer_acl(policy, "alice", password)...>
 
 A trainer user may submit to and read its own streams, counters and job records, read
-the registry, and (with `publisher=True`) publish versions; another trainer's streams are
+the registry and the scorers' heartbeats (scored jobs), and (with `publisher=True`) publish versions; another trainer's streams are
 NOPERM, also from inside rollq's Lua scripts (Redis checks scripts' keys against the caller's
 ACL).
 
@@ -68,8 +68,8 @@ SCRIPT FLUSH or KILL of other clients' scripts, no MEMORY or DBSIZE."""
 _SCRIPTS = ["+evalsha", "+eval"]
 """rollq's scripts: EVAL too, as on a cluster node that lacks a script (a promoted replica, a
 flushed cache) the client runs it by EVAL. Redis checks every key a script declares, as
-read-write, against one selector (`_scripts`'s), and each command inside against the rules
-below, one by one (a script that SREMs a shared set, or SETs a work stream, is NOPERM)."""
+read-write, against one selector (the first of `trainer_acl`'s), and each command inside
+against all the rules, one by one (a script that SREMs a shared set, or SETs a work stream, is NOPERM)."""
 
 
 def _own_keys(keys: Keys, trainer: str) -> dict[str, list[str]]:
@@ -100,9 +100,8 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
     left: TYPE and SADD there too, both types are read); a scored submit lists the trainer for
     the scorers (a set); episodes also list themselves for retention (a sorted set) and name
     routed streams (a hash). Each shared key takes only the commands of its type (SADD, ZADD and
-    ZREM, HSET): nothing lets a trainer remove another
-    from the sets, and nothing it adds stops their readers (`queue/members.py`). Its images are
-    its own keys (`Keys.image(trainer, ...)`): no other trainer reads, overwrites or expires them.
+    ZREM, HSET): nothing lets a trainer remove another from the sets, and nothing it adds stops
+    their readers (`queue/members.py`). Its images are its own keys (`Keys.image(trainer, ...)`): no other trainer reads, overwrites or expires them.
     A publisher changes what every trainer's samples are made with: it is trusted with the
     whole policy's keys (retention reads other trainers' job windows and the workers' pins).
     """
