@@ -2,10 +2,10 @@
 
     ACL SETUSER <trainer_acl(policy, "alice", password)...>
 
-A trainer user may submit to and read its own streams, counters and job records, read
-the registry and the scorers' heartbeats (scored jobs), and (with `publisher=True`) publish versions; another trainer's streams are
-NOPERM, also from inside rollq's Lua scripts (Redis checks scripts' keys against the caller's
-ACL).
+A trainer user may submit to and read its own streams, counters and job records, read the
+registry and the scorers' heartbeats (scored jobs), and (with `publisher=True`) publish
+versions; another trainer's streams are NOPERM, also from inside rollq's Lua scripts (Redis
+checks scripts' keys against the caller's ACL).
 
 Keys keep their type: each command that creates a key is granted only on the keys rollq gives
 that type (a trainer cannot make its work stream a string, nor the trainers set a sorted set),
@@ -101,7 +101,8 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
     the scorers (a set); episodes also list themselves for retention (a sorted set) and name
     routed streams (a hash). Each shared key takes only the commands of its type (SADD, ZADD and
     ZREM, HSET): nothing lets a trainer remove another from the sets, and nothing it adds stops
-    their readers (`queue/members.py`). Its images are its own keys (`Keys.image(trainer, ...)`): no other trainer reads, overwrites or expires them.
+    their readers (`queue/members.py`). Its images are its own keys (`Keys.image(trainer, ...)`):
+    no other trainer reads, overwrites or expires them.
     A publisher changes what every trainer's samples are made with: it is trusted with the
     whole policy's keys (retention reads other trainers' job windows and the workers' pins).
     """
