@@ -97,7 +97,7 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
 
     The submit script adds the trainer to the trainers workers claim from (a set) and a job with
     an upper bound to the bounded jobs retention looks at (a sorted set; or a set an older rollq
-    left: TYPE and SADD there too, both types are read); a scored submit lists the trainer for
+    left: SADD there too, both types are read); a scored submit lists the trainer for
     the scorers (a set); episodes also list themselves for retention (a sorted set) and name
     routed streams (a hash). Each shared key takes only the commands of its type (SADD, ZADD and
     ZREM, HSET): nothing lets a trainer remove another from the sets, and nothing it adds stops
@@ -124,7 +124,7 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
         (_SORTED_SETS, own["sorted sets"]),
         (["+sadd"], sets), (["+zadd", "+zrem"], listings), (["+hset"], [keys.routed]),
         # The submit script: a bounded-jobs set left by an older rollq is added to as a set.
-        (["+type", "+sadd"], [keys.bounded_jobs]),
+        (["+sadd"], [keys.bounded_jobs]),
     ]
     rules += [*_READS, *(f"%R~{k}" for k in read)]
     return [*rules, *(f"({' '.join([*commands, *(f'~{k}' for k in patterns)])})"

@@ -45,11 +45,10 @@ redis.call('HSET', KEYS[1], JOB_TRAINER, ARGV[1], JOB_GROUPS, groups, JOB_DONE, 
 if ARGV[9] ~= '' then
   -- An upper bound may need old versions: retention looks here before deleting any.
   redis.call('HSET', KEYS[1], JOB_MAX_VERSION, ARGV[9])
-  if redis.call('TYPE', KEYS[6]).ok == 'set' then  -- left by an older rollq, until it empties
+  local deadline = tonumber(ARGV[5])
+  local added = redis.pcall('ZADD', KEYS[6], (deadline and deadline > 0) and deadline or '+inf', KEYS[1])
+  if tonumber(added) == nil then  -- WRONGTYPE: a set left by an older rollq, until it empties
     redis.call('SADD', KEYS[6], KEYS[1])
-  else
-    local deadline = tonumber(ARGV[5])
-    redis.call('ZADD', KEYS[6], (deadline and deadline > 0) and deadline or 'inf', KEYS[1])
   end
 end
 for i = 1, groups do
