@@ -11,6 +11,7 @@ from redis.exceptions import ResponseError
 from rich.console import Console
 from rich.table import Table
 
+from rollq.queue import members
 from rollq.queue.keys import EVERY_POLICY, Keys, policy_of
 from rollq.queue.names import Group
 from rollq.registry.versions import Registry
@@ -62,13 +63,13 @@ async def policies(redis: Redis) -> list[str]:
 async def policy_status(redis: Redis, policy: str) -> PolicyStatus:
     keys = Keys(policy)
     registry = Registry(redis, keys)
-    trainers = sorted(t.decode() for t in await redis.smembers(keys.trainers))
+    trainers = members.trainer_ids(keys.trainers, await redis.smembers(keys.trainers))
     # A trainer's groups: on its own stream and on the streams routed to workers (episodes).
     streams = {trainer: [keys.work(trainer)] for trainer in trainers}
-    for routed in await redis.hkeys(keys.routed):
-        route = keys.route_of(routed.decode())
-        if route is not None and route[0] in streams:
-            streams[route[0]].append(routed.decode())
+    routes, _ = members.routes(keys, await redis.hgetall(keys.routed))
+    for routed, (trainer, *_) in sorted(routes.items()):
+        if trainer in streams:
+            streams[trainer].append(routed)
     queues = []
     for trainer in trainers:
         total = running = 0
@@ -79,7 +80,8 @@ async def policy_status(redis: Redis, policy: str) -> PolicyStatus:
                 running += (await redis.xpending(stream, Group.WORKERS))["pending"]
         queues.append(TrainerQueue(trainer, total - running, running,
                                    await redis.xlen(keys.results(trainer)),
-                                   int(await redis.get(keys.outstanding(trainer)) or 0)))
+                                   members.count(keys.outstanding(trainer),
+                                                 await redis.get(keys.outstanding(trainer)))))
     return PolicyStatus(policy, await registry.latest(),
                         [e.version for e in await registry.entries()],
                         await live_workers(redis, keys), queues, await live_scorers(redis, keys),
@@ -88,7 +90,7 @@ async def policy_status(redis: Redis, policy: str) -> PolicyStatus:
 
 async def _scoring(redis: Redis, keys: Keys) -> list[ScoringDepth]:
     out = []
-    for trainer in sorted(t.decode() for t in await redis.smembers(keys.scoring_trainers)):
+    for trainer in members.trainer_ids(keys.scoring_trainers, await redis.smembers(keys.scoring_trainers)):
         stream = keys.scoring(trainer)
         length, running = await redis.xlen(stream), 0
         if length:

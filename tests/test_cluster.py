@@ -229,7 +229,7 @@ def test_every_key_of_a_policy_is_in_one_slot():
     for name, member in inspect.getmembers(Keys):
         if name.startswith("_") or name in (  # (parsers, not key names)
                 "policy", "trainer_of", "trainer_of_results", "trainer_of_scoring", "route_of",
-                "trainer_stream_rest"):
+                "trainer_stream_rest", "record_of"):
             continue
         if isinstance(member, property):
             names.append(getattr(keys, name))

@@ -86,7 +86,7 @@ async def submit(request: web.Request) -> web.Response:
             for i, group in enumerate(body.images)]
         job_id = await gw.client(policy, who.trainer).submit(
             body.prompts, body.n, body.sampling, job_id=body.job_id, deadline_s=body.deadline_s,
-            meta=body.meta, wait=False, images=images, **body.asked())
+            meta=body.meta, wait=False, images=images, **body.asked(), **body.scoring())
     return reply(request, Submitted(job_id, len(body.prompts)), status=201)
 
 
@@ -353,7 +353,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async def submit(client: RolloutClient, job_id: str, window: dict) -> str:
         async with heavy_turn(request, data):  # the work items' encoding
             return await client.submit(sent, req.n, sampling, job_id=job_id, deadline_s=req.timeout_s,
-                                       wait=False, **window)
+                                       wait=False, **window, **req.scoring())
 
     job_id = oai.new_job_id()
     results = await run_job(gw, policy, who, job_id, len(sent), req, submit)

@@ -109,7 +109,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 parallel_tool_calls=req.parallel_tool_calls, reasoning_effort=req.reasoning_effort,
                 prefix_tokens=unpack_tokens(at.prefix_tokens) if at.prefix_tokens else None,
                 prefix_messages=at.prefix_messages,
-                job_id=job_id, deadline_s=req.timeout_s, wait=False, **window)
+                job_id=job_id, deadline_s=req.timeout_s, wait=False, **window, **req.scoring())
 
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
@@ -241,6 +241,8 @@ def response(req: ChatCompletionRequest, job_id: str, r: GroupResult,
             finish_reason=_finish_reason(sample, tool_choice), stop_reason=sample.stop_reason,
             token_ids=sample.token_ids if req.return_token_ids else None, routed_experts=None,
             policy_versions=[list(v) for v in sample.versions]))
+        if r.reward:  # a scored job's (rollq's own key, as policy_versions)
+            choices[-1]["reward"] = r.rewards[index] if index < len(r.rewards) else None
     completion_tokens = sum(len(s.tokens) // 4 for s in r.samples)
     # vLLM's server counts reasoning tokens when it has a reasoning parser; so do the workers.
     counted = [s.reasoning_tokens for s in r.samples if s.reasoning_tokens is not None]

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -65,6 +65,15 @@ class OpenAIRequest(VersionWindow, kw_only=True, forbid_unknown_fields=True):
     timeout_s: float = 600.0
     swap_modes: list[SwapMode] | None = None
     """How a running group may cross a weight swap (`Sampling.swap_modes`; None: its default)."""
+    reward: str | None = None
+    """Scored samples: a reward the policy's `rollq scorer`s offer; each choice then carries its
+    `reward` (null where the reward raised or timed out). As `RolloutClient.submit`'s."""
+    reward_inputs: list[Any] | None = None
+    """The reward's data, one entry per prompt (a chat: one)."""
+    reward_errors: Literal["skip", "fail"] = "skip"
+
+    def scoring(self) -> dict[str, Any]:
+        return dict(reward=self.reward, reward_inputs=self.reward_inputs, reward_errors=self.reward_errors)
 
 
 class CompletionRequest(OpenAIRequest, kw_only=True, forbid_unknown_fields=True):
@@ -309,6 +318,8 @@ def response(req: CompletionRequest, job_id: str, results: list[GroupResult], pr
                           prompt_token_ids=prompt_ids if req.return_token_ids else None,
                           token_ids=ids if req.return_token_ids else None, routed_experts=None,
                           policy_versions=[list(v) for v in sample.versions])
+            if r.reward:  # a scored job's (rollq's own key, as policy_versions)
+                choice["reward"] = r.rewards[j] if j < len(r.rewards) else None
             choices.append(choice)
     # The keys of vLLM's CompletionResponse, its unused ones null as there.
     usage = dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

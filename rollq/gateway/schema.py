@@ -8,7 +8,7 @@ The OpenAPI document is generated from these types.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -46,6 +46,21 @@ class SubmitRequest(VersionWindow, **_REQUEST):
     images: list[list[str]] | None = None
     """Per prompt group, its images as `data:image/...;base64,` URLs (PNG, JPEG or WebP), in the
     order of the image placeholders in its prompt; each distinct image is stored once."""
+    reward: str | None = None
+    """A scored job: a reward the policy's `rollq scorer`s offer (the operator's functions); each
+    group reaches the trainer with its samples' `rewards`. As `RolloutClient.submit`'s."""
+    reward_inputs: list[Any] | None = None
+    """Group i's data for the reward (one entry per prompt group)."""
+    reward_errors: Literal["skip", "fail"] = "skip"
+    """A reward that raises or times out: that sample gets no reward (`skip`), or the group fails."""
+    dynamic_sampling: int | None = None
+    """Regenerate a group whose rewards are all equal, up to this many times (then `filtered`)."""
+    deliver: int | None = None
+    """Over-sampling: deliver the first `deliver` groups scored `ok`, cancel the others."""
+
+    def scoring(self) -> dict[str, Any]:
+        return dict(reward=self.reward, reward_inputs=self.reward_inputs, reward_errors=self.reward_errors,
+                    dynamic_sampling=self.dynamic_sampling, deliver=self.deliver)
 
 
 class Submitted(msgspec.Struct):
@@ -78,6 +93,13 @@ class ResultView(msgspec.Struct):
     finished_at: float
     image_tokens: int = 0
     """Prompt tokens the images took."""
+    rewards: list[float | None] = []
+    """A scored job: each sample's reward (null where the reward raised or timed out)..."""
+    reward_errors: list[str] = []
+    """...why, per sample ('' where it was scored)..."""
+    reward: str = ""
+    reward_version: str = ""
+    """...the reward's name and the version its scorer offers."""
 
 
 class ResultBatch(msgspec.Struct):
@@ -138,7 +160,7 @@ def sample_view(s: Sample) -> SampleView:
 def result_view(entry_id: str, r: GroupResult) -> ResultView:
     return ResultView(entry_id, r.job_id, r.group_index, r.status, r.reason, r.prompt_ids,
                       [sample_view(s) for s in r.samples], r.worker_id, r.queued_s, r.generation_s,
-                      r.finished_at, r.image_tokens)
+                      r.finished_at, r.image_tokens, r.rewards, r.reward_errors, r.reward, r.reward_version)
 
 
 def version_view(e: VersionEntry) -> VersionView:

@@ -12,6 +12,10 @@ which a shared pool cannot take. `RollqVLLMClient` is TRL's client with the weig
   `generation_kwargs` name a window of their own), so every token TRL trains on comes from the
   weights it synced; each call's per-sample version segments are kept (`policy_versions`,
   `generations`) since TRL has no place for them.
+- scored rollouts: `generation_kwargs={"reward": name}` (GRPOConfig's, or per call, with
+  `reward_inputs` and `reward_errors` as `RolloutClient.submit` takes them) has the pool's
+  `rollq scorer`s score every completion with the operator's reward `name`; `rollq_rewards(client)`
+  is a TRL reward function that gives each completion that reward.
 - `_format_sequence_logprobs`: tokens outside the top N carry rank null in `prompt_logprobs`
   from workers older than `Sample.token_ranks`; they are ordered after the ranked ones.
 
@@ -28,7 +32,7 @@ Everything else (`generate`'s payload, logprob parsing, `reset_prefix_cache`) is
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,14 +56,15 @@ def host_copies(named_params: Iterator[tuple[str, torch.Tensor]]) -> dict[str, t
 @dataclass
 class Generation:
     """One `generate` or `chat` call as served: the version asked for and, per completion, its
-    prompt ids, version segments `[(version, first token), ...]`, token ids and sampled-token
-    logprobs."""
+    prompt ids, version segments `[(version, first token), ...]`, token ids, sampled-token
+    logprobs and, for a call that asked for a reward, the reward rollq's scorers gave it."""
 
     version: int | None
     prompt_ids: list[list[int]] = field(default_factory=list)
     policy_versions: list[list[tuple[int, int]]] = field(default_factory=list)
     completion_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
+    rewards: list[float | None] = field(default_factory=list)
 
     def add(self, choice: dict, prompt_ids: list[int] | None) -> None:
         self.prompt_ids.append(choice.get("prompt_token_ids") or prompt_ids or [])
@@ -68,6 +73,7 @@ class Generation:
         lp = choice.get("logprobs") or {}
         self.logprobs.append([e["logprob"] for e in lp["content"]] if "content" in lp
                              else lp.get("token_logprobs", []))
+        self.rewards.append(choice.get("reward"))
 
 
 class RollqVLLMClient(VLLMClient):
@@ -192,6 +198,35 @@ class RollqVLLMClient(VLLMClient):
                   for p in choice["prompt_logprobs"]]
         return VLLMClient._format_sequence_logprobs({**choice, "prompt_logprobs": ranked}, sequence,
                                                     prompt_length, top_logprobs)
+
+
+def rollq_rewards(client: RollqVLLMClient | Callable[[], RollqVLLMClient], name: str = "rollq_reward"):
+    """A TRL reward function: each completion's reward as rollq's scorers gave it, for generations
+    that asked for one (`generation_kwargs={"reward": ...}`); None (TRL: NaN, ignored) for a
+    completion the client did not generate with a reward. `client`, or a function that returns
+    it (the trainer makes its client after its reward functions):
+
+        trainer = RollqGRPOTrainer(..., reward_funcs=[rollq_rewards(lambda: trainer.rollq_client)])
+
+    Completions are matched by their token ids among the client's recent calls (`history`), so it
+    holds where the client generates: TRL's main process."""
+    get = client if callable(client) else lambda: client
+
+    def reward(prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float | None]:
+        if completion_ids is None:
+            raise ValueError("rollq_rewards needs TRL's `completion_ids` (TRL >= 0.20 passes them)")
+        given: dict[tuple[int, ...], list[float | None]] = {}
+        for g in reversed(list(get().generations)):  # the newest call's first
+            for ids, value in zip(g.completion_ids, g.rewards):
+                given.setdefault(tuple(ids), []).append(value)
+        out = []
+        for ids in completion_ids:
+            values = given.get(tuple(ids))
+            out.append(values.pop(0) if values else None)  # equal completions: in the order served
+        return out
+
+    reward.__name__ = name
+    return reward
 
 
 @contextmanager

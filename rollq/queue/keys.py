@@ -116,8 +116,11 @@ class Keys:
 
     @property
     def bounded_jobs(self) -> str:
-        """Set of the job keys of unfinished jobs with a max_version: retention keeps the
-        versions they need."""
+        """Sorted set job key -> its deadline (unix s; inf for none): the unfinished jobs with a
+        max_version, whose versions retention keeps. A sorted set as `episodes` is: a trainer's
+        Redis user may add to both (ZADD), and no command it may run gives either another type
+        (a set before: a trainer's ZADD on it while absent failed every pinned submit,
+        review-turn4). A set left by an older rollq is still read and added to until it empties."""
         return f"{self._p}:bounded-jobs"
 
     @property
@@ -253,6 +256,13 @@ class Keys:
     def every_key(self) -> str:
         """Glob pattern matching every key of the policy (ACL rules, scans)."""
         return f"{self._p}:*"
+
+    def record_of(self, kind: str, key: str) -> tuple[str, str]:
+        """(trainer, id) of a record's key (`kind`: "job", "episode"); ValueError for another key."""
+        parts = self._after(kind, key, f"a {kind} record").split(":")
+        if len(parts) != 2:
+            raise ValueError(f"{key!r} is not a {kind} record of policy {self.policy!r}")
+        return parts[0], parts[1]
 
     def trainer_stream_rest(self, work_stream: str) -> str:
         return self._after("work", work_stream, "a work stream")

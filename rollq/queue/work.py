@@ -20,6 +20,7 @@ from redis.exceptions import ResponseError
 
 from rollq.protocol import ScoreItem, ScoreSpec, encode
 from rollq.queue.connection import NotReplicated, check_replicated, durability
+from rollq.queue import members
 from rollq.queue.keys import Keys, base_trainer
 from rollq.queue.names import Group, JobField, JobState, Reply, WorkField
 from rollq.queue.prune import PRUNE_EVERY_S, expire_results, prune_trainers
@@ -112,11 +113,19 @@ def _warn_unreplicated(wait_reply, wanted) -> None:
         log.warning("results written but not replicated: %s", e)
 
 
-_STATES = {state.encode() for state in JobState}
+_STATE_OF = {state.encode(): state for state in JobState}
+_STATES = set(_STATE_OF)
 
 
-def _job_state(value: bytes | None) -> JobState | None:
-    return None if value is None else JobState(_text(value))
+def _job_state(value: bytes | None, job: str = "") -> JobState | None:
+    """A job record's state; one rollq never writes (the trainer's own Redis user did) is
+    skipped and logged: None, as for a job without a record."""
+    if value is None:
+        return None
+    state = _STATE_OF.get(value)
+    if state is None:
+        members.skip(job, value, "not a job state")
+    return state
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -173,7 +182,11 @@ class WorkQueue:
         """The streams to claim from: groups routed to this worker, then every trainer's own
         stream, then groups routed to a worker that is gone or serves another version now."""
         self.stale = False
-        trainers = sorted(t.decode() for t in await self.redis.smembers(self.keys.trainers))
+        listed = await self.redis.smembers(self.keys.trainers)
+        trainers = members.trainer_ids(self.keys.trainers, listed)
+        if len(trainers) < len(listed):  # skipped (and logged); gone, so that no worker reads them again
+            valid = {t.encode() for t in trainers}
+            await self.redis.srem(self.keys.trainers, *(m for m in listed if m not in valid))
         if time.monotonic() >= self._next_trainer_prune:
             self._next_trainer_prune = time.monotonic() + PRUNE_EVERY_S
             gone = await prune_trainers(self.redis, self.scripts, self.keys, trainers)
@@ -188,16 +201,15 @@ class WorkQueue:
         routed = await self.redis.hgetall(self.keys.routed)
         if not routed:
             return shared
-        routes = {s.decode(): (self.keys.route_of(s.decode()), float(at)) for s, at in routed.items()}
-        named = sorted({route[1] for route, _ in routes.values() if route})
-        beats = await self.redis.mget([self.keys.worker(w) for w in named])
+        routes, malformed = members.routes(self.keys, routed)
+        if malformed:  # skipped (and logged); gone, so that no worker reads them again
+            await self.redis.hdel(self.keys.routed, *malformed)
+        named = sorted({worker for _, worker, _, _ in routes.values()})
+        beats = await self.redis.mget([self.keys.worker(w) for w in named]) if named else []
         serving = {w: msgspec.json.decode(b, type=WorkerState).version
                    for w, b in zip(named, beats) if b}
         mine, orphaned, idle = [], [], []
-        for stream, (route, at) in sorted(routes.items()):
-            if route is None:
-                continue
-            _, worker, version = route
+        for stream, (_, worker, version, at) in sorted(routes.items()):
             if worker == self.consumer:
                 mine.append(stream)
             elif serving.get(worker) != version:
@@ -535,7 +547,7 @@ class WorkQueue:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for job in distinct:
                     pipe.hget(job, JobField.STATE)
-                states.update(zip(distinct, map(_job_state, await pipe.execute())))
+                states.update(zip(distinct, map(_job_state, await pipe.execute(), distinct)))
         return {key: states[job] for key, job in jobs.items()}
 
     def _jobs(self, claimed: list[Claimed]) -> dict[tuple[str, str], str]:

@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
+from rollq.queue import members
 from rollq.queue.keys import Keys
 from rollq.queue.names import EpisodeField, EpisodeState, JobField, JobState, Reply
 from rollq.registry.safetensors_check import WeightError
@@ -32,38 +34,50 @@ log = logging.getLogger("rollq.registry")
 
 
 async def needed_by_jobs(redis: Redis, keys: Keys) -> set[tuple[int, int]]:
-    """[min, max] windows of unfinished jobs with an upper bound; finished ones leave the set."""
-    job_keys = [j.decode() for j in await redis.smembers(keys.bounded_jobs)]
+    """[min, max] windows of unfinished jobs with an upper bound; finished ones leave the set (and
+    members that are no job record of the policy, or whose window does not parse: logged)."""
+    legacy = await redis.type(keys.bounded_jobs) == b"set"  # left by an older rollq
+    listed = await (redis.smembers(keys.bounded_jobs) if legacy else redis.zrange(keys.bounded_jobs, 0, -1))
+    job_keys = members.job_keys(keys, listed)
     windows, finished = set(), []
     for job_key in job_keys:
-        state, lo, hi = await redis.hmget(job_key, JobField.STATE, JobField.MIN_VERSION,
-                                          JobField.MAX_VERSION)
-        if state is None or state.decode() != JobState.PENDING:
+        try:
+            state, lo, hi = await redis.hmget(job_key, JobField.STATE, JobField.MIN_VERSION,
+                                              JobField.MAX_VERSION)
+        except ResponseError as e:  # a trainer's own key of another type: not a job of rollq's
+            members.skip(keys.bounded_jobs, job_key, str(e))
+            continue
+        window = members.version(job_key, lo), members.version(job_key, hi)
+        if state is None or state.decode(errors="replace") != JobState.PENDING:
             finished.append(job_key)
-        else:
-            windows.add((int(lo), int(hi)))
+        elif None not in window:
+            windows.add(window)
     if finished:
-        await redis.srem(keys.bounded_jobs, *finished)
+        await (redis.srem if legacy else redis.zrem)(keys.bounded_jobs, *finished)
     return windows
 
 
 async def needed_by_episodes(redis: Redis, keys: Keys) -> set[int]:
     """Versions of live episodes (not ended, not expired): their next turns need them. Entries of
-    expired or ended episodes leave the set."""
+    expired or ended episodes leave the set (members that are no episode record: logged)."""
     await redis.zremrangebyscore(keys.episodes, "-inf", f"({time.time()}")
-    episode_keys = await redis.zrange(keys.episodes, 0, -1)
+    episode_keys = members.episode_keys(keys, await redis.zrange(keys.episodes, 0, -1))
     if not episode_keys:
         return set()
     async with redis.pipeline(transaction=False) as pipe:
         for key in episode_keys:
             pipe.hmget(key, EpisodeField.STATE, EpisodeField.VERSION)
-        found = await pipe.execute()
+        found = await pipe.execute(raise_on_error=False)
     versions, gone = set(), []
-    for key, (state, version) in zip(episode_keys, found):
-        if state is None or state.decode() == EpisodeState.ENDED:
+    for key, reply in zip(episode_keys, found):
+        if isinstance(reply, ResponseError):  # a trainer's own key of another type
+            members.skip(keys.episodes, key, str(reply))
+            continue
+        state, version = reply
+        if state is None or state.decode(errors="replace") == EpisodeState.ENDED:
             gone.append(key)
-        elif version:
-            versions.add(int(version))
+        elif (v := members.version(key, version)) is not None:
+            versions.add(v)
     if gone:
         await redis.zrem(keys.episodes, *gone)
     return versions

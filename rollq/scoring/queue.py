@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from redis.exceptions import ResponseError
 
+from rollq.queue import members
 from rollq.queue.names import Group, Reply
 from rollq.queue.work import Claimed, WorkQueue, _lua_string
 
@@ -21,7 +22,8 @@ class ScoringQueue(WorkQueue):
         self._grouped: set[str] = set()
 
     async def streams(self) -> list[str]:
-        trainers = sorted(t.decode() for t in await self.redis.smembers(self.keys.scoring_trainers))
+        trainers = members.trainer_ids(self.keys.scoring_trainers,
+                                       await self.redis.smembers(self.keys.scoring_trainers))
         streams = [self.keys.scoring(t) for t in trainers]
         for stream in streams:
             if stream not in self._grouped:

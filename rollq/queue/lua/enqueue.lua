@@ -1,6 +1,6 @@
 -- Submit one job: its record and one work entry per group, atomically, in one round trip.
 -- KEYS: job, work stream, trainers set, outstanding counter, the base trainer's cap, bounded-jobs
---       set, outstanding-bytes counter, the base trainer's outstanding counter (KEYS[4] again for
+--       sorted set, outstanding-bytes counter, the base trainer's outstanding counter (KEYS[4] again for
 --       a trainer that is its own base: a derived id's groups count against its base's quota)
 -- ARGV: trainer, client quota, groups, created_at, deadline, meta, job_id, min_version,
 --       max_version ('' for none), byte quota, routed ('1': the trainer's groups may also sit on
@@ -45,7 +45,11 @@ redis.call('HSET', KEYS[1], JOB_TRAINER, ARGV[1], JOB_GROUPS, groups, JOB_DONE, 
 if ARGV[9] ~= '' then
   -- An upper bound may need old versions: retention looks here before deleting any.
   redis.call('HSET', KEYS[1], JOB_MAX_VERSION, ARGV[9])
-  redis.call('SADD', KEYS[6], KEYS[1])
+  local deadline = tonumber(ARGV[5])
+  local added = redis.pcall('ZADD', KEYS[6], (deadline and deadline > 0) and deadline or '+inf', KEYS[1])
+  if tonumber(added) == nil then  -- WRONGTYPE: a set left by an older rollq, until it empties
+    redis.call('SADD', KEYS[6], KEYS[1])
+  end
 end
 for i = 1, groups do
   -- j and g repeat the payload's job and group so a malformed payload can still be named.

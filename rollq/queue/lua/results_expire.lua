@@ -21,7 +21,9 @@ if KEYS[4] ~= KEYS[3] then
   counters[2] = KEYS[4]
 end
 for _, counter in ipairs(counters) do
-  if redis.call('DECRBY', counter, dropped) <= 0 then
+  -- A count that is no number (set by the trainer's own Redis user) is dropped, not fatal.
+  local ok, left = pcall(redis.call, 'DECRBY', counter, dropped)
+  if not ok or left <= 0 then
     redis.call('DEL', counter)
   end
 end

@@ -29,10 +29,11 @@ for i = 1, #ARGV do
     if empty(results, GROUP_TRAINER) then
       redis.call('DEL', results)
     end
-    if tonumber(redis.call('GET', outstanding) or '0') <= 0 then
+    -- (A count that is no number was set by the trainer's own Redis user: it is not kept.)
+    if (tonumber(redis.call('GET', outstanding) or '0') or 0) <= 0 then
       redis.call('DEL', outstanding)
     end
-    if tonumber(redis.call('GET', nbytes) or '0') <= 0 then
+    if (tonumber(redis.call('GET', nbytes) or '0') or 0) <= 0 then
       redis.call('DEL', nbytes)
     end
     removed[#removed + 1] = ARGV[i]
