@@ -22,7 +22,11 @@ async def acount(completion: Completion, inputs) -> float:
 
 @reward("slow", timeout_s=30)
 def slow(completion: Completion, inputs) -> float:
-    """Holds the scorer long enough to be killed mid-scoring."""
+    """Holds the scorer long enough to be killed mid-scoring; with ROLLQ_TEST_STARTED_DIR, leaves
+    a file there as it starts (a test that must act while a reward runs waits for it)."""
+    started = os.environ.get("ROLLQ_TEST_STARTED_DIR")
+    if started:
+        open(os.path.join(started, f"{os.getpid()}-{completion.index}"), "w").close()
     time.sleep(float(os.environ.get("ROLLQ_TEST_SLOW_S", "0.2")))
     return count(completion, inputs)
 
