@@ -231,15 +231,17 @@ class VersionFollower:
         # group runs on an adapter (it applies on the weights being replaced).
         await self.admission.close(lambda item: not crosses(item, version) or (
             adapters is not None and id(item) in adapters.serving))
-        phases = {"verify": verify_s, "drain": time.monotonic() - began}
+        # (a push has no verify phase: its check is part of its load, phase `push`)
+        phases = ({} if push else {"verify": verify_s}) | {"drain": time.monotonic() - began}
         versions.moving("swapping")
         try:
             if push is None:
                 phases |= await engine.swap(version, str(path), interrupt=mode == "interrupt",
                                             keep=mode == "keep")
             else:
-                phases |= await engine.push(version, push, interrupt=mode == "interrupt",
-                                            keep=mode == "keep")
+                pushed = await engine.push(version, push, interrupt=mode == "interrupt",
+                                           keep=mode == "keep")
+                phases |= {("push" if k == "load" else k): v for k, v in pushed.items()}
         except Exception as e:  # the engine is back on its old weights (or dead); report, never retry
             what = f"{'push' if push else 'swap'} to version {version} failed: {type(e).__name__}: {e}"
             if push is None or not engine.alive:
