@@ -191,6 +191,8 @@ class VersionFollower:
         try:
             if not await self.swap_to(entry, None, push=info):
                 return False
+            if self.adapters is not None:
+                await self.adapters.rebase()
             snapshot = self.snapshots.new(version)
             try:
                 await asyncio.get_running_loop().run_in_executor(
@@ -206,8 +208,6 @@ class VersionFollower:
             old, self.loaded = self.loaded, (version, snapshot)
             if old is not None:
                 await self._release(*old)
-            if self.adapters is not None:
-                await self.adapters.rebase()
             return True
         finally:
             self.heartbeat.target = None
