@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 
 from rollq.engine import pushes
 from rollq.protocol import SwapMode, VersionEntry
-from rollq.registry.safetensors_check import Schema, WeightError
+from rollq.registry.safetensors_check import Schema, WeightError, check_compatible
 from rollq.registry.snapshots import Snapshots, check_version
 from rollq.registry.versions import Registry
 from rollq.worker.resident import ResidentAdapters
@@ -66,6 +66,9 @@ class VersionFollower:
         """The snapshot copy and check run here, not in the loop's default executor: a new
         version's check must not queue behind whatever else the process runs in threads."""
         self.loaded: tuple[int, Path] | None = None
+        self._unchecked: int | None = None
+        """A pushed version served whose files failed their check (so not `loaded`): its pin
+        goes when a later version serves."""
         """The version the engine serves from a snapshot of ours (None: the start-up weights)."""
         self.versions = versions
         """Written here (and by the adapters served beside the loaded version); the worker reads it."""
@@ -176,6 +179,7 @@ class VersionFollower:
                 old, self.loaded = self.loaded, (version, snapshot)
                 if old is not None:
                     await self._release(*old)
+                await self._release_unchecked()
                 if self.adapters is not None:
                     await self.adapters.rebase()
             else:
@@ -187,6 +191,13 @@ class VersionFollower:
         load goes back to them, not to the version before), off the path to serving. False: the
         push failed (the engine is back on its last verified files); load the files instead."""
         version = entry.version
+        if self.base_schema is not None:  # vLLM only warns of tensors it was not given
+            try:
+                check_compatible({t.name: (t.dtype, tuple(t.shape)) for t in entry.tensors},
+                                 self.base_schema, f"version {version}'s push")
+            except WeightError as e:  # (its files hold the same tensors: their check refuses it)
+                log.error("%s; not taken", e)
+                return False
         info = pushes.update_info(entry.push, entry.tensors) | {"finite": self.mode == "keep"}
         try:
             if not await self.swap_to(entry, None, push=info):
@@ -200,6 +211,8 @@ class VersionFollower:
                                                      spare=self.snapshots.take_spare()))
             except Exception as e:  # served from checked bytes all the same; restore stays older
                 self.snapshots.drop(snapshot)
+                await self._release_unchecked()
+                self._unchecked = version
                 self.versions.failed(f"version {version}: pushed, but its files failed their check "
                                      f"({type(e).__name__}: {e}); a failed load goes back further")
                 log.error("%s", self.versions.last_error)
@@ -208,6 +221,7 @@ class VersionFollower:
             old, self.loaded = self.loaded, (version, snapshot)
             if old is not None:
                 await self._release(*old)
+            await self._release_unchecked()
             return True
         finally:
             self.heartbeat.target = None
@@ -260,6 +274,13 @@ class VersionFollower:
                  ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
         self.stats.swap(True, time.monotonic() - began, phases)
         return True
+
+    async def _release_unchecked(self) -> None:
+        version, self._unchecked = self._unchecked, None
+        if version is not None:
+            self.heartbeat.holds.discard(version)
+            with contextlib.suppress(RedisError):
+                await self.registry.unpin(version, self.worker_id)
 
     async def _release(self, version: int, snapshot: Path) -> None:
         """The engine reads `snapshot` no more (swapped past it, or back from it): its files
