@@ -14,6 +14,7 @@ engine loads its last verified files back (`VLLMEngine._load_or_restore`).
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,12 @@ from rollq.protocol import TensorDigest
 
 @dataclass
 class ShmInitInfo(WeightTransferInitInfo):
-    """Nothing to agree on beforehand: each update names its segment."""
+    """Nothing to agree on beforehand (each update names its segment); `stage`: an update's
+    payload to receive and check now, in a thread of this process, while the engine still serves
+    (`VLLMEngine.stage_push`); the `update_weights` of the same segment then loads what was
+    staged, so the engine's pause holds only the load."""
+
+    stage: dict | None = None
 
 
 @dataclass
@@ -55,6 +61,16 @@ def _empty(t: TensorDigest):
     return tensor, memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
+def _receive(info: ShmUpdateInfo) -> list[tuple[str, torch.Tensor]]:
+    """The segment's tensors in memory of this process, every fingerprint checked."""
+    weights = read_checked(info.address, info.tensors(), _empty)
+    if info.finite:
+        for name, t in weights:
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise PushRefused(f"tensor {name} holds NaN or inf")
+    return weights
+
+
 class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
@@ -63,9 +79,18 @@ class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._reloading = False
+        self._staged: tuple[str, Future] | None = None
+        """(segment, its tensors being read and checked) while the engine serves."""
+        self._stager: ThreadPoolExecutor | None = None
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
-        pass
+        if init_info.stage is None:
+            return
+        info = ShmUpdateInfo(**init_info.stage)
+        if self._stager is None:
+            self._stager = ThreadPoolExecutor(1, thread_name_prefix="rollq-push-stage")
+        # (pread and BLAKE3 release the GIL: generation goes on beside it)
+        self._staged = (info.address, self._stager.submit(_receive, info))
 
     def start_weight_update(self) -> None:
         # The layerwise reload begins with the first checked chunk (receive_weights), so a push
@@ -76,11 +101,11 @@ class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        weights = read_checked(update_info.address, update_info.tensors(), _empty)
-        if update_info.finite:
-            for name, t in weights:
-                if t.is_floating_point() and not torch.isfinite(t).all():
-                    raise PushRefused(f"tensor {name} holds NaN or inf")
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == update_info.address:
+            weights = staged[1].result()  # (its refusal is raised here, nothing loaded yet)
+        else:
+            weights = _receive(update_info)
         if not self._reloading:
             initialize_layerwise_reload(self.model)
             self._reloading = True
@@ -90,12 +115,15 @@ class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        self._staged = None
         if self._reloading:
             finalize_layerwise_reload(self.model, self.model_config)
             self._reloading = False
 
     def shutdown(self) -> None:
-        pass
+        self._staged = None
+        if self._stager is not None:
+            self._stager.shutdown(wait=False)
 
 
 def register() -> None:

@@ -480,6 +480,15 @@ class VLLMEngine:
         if version == self._version:
             self._weights_path, self._weights_version = path, version
 
+    async def stage_push(self, update_info: dict[str, Any]) -> None:
+        """Begin receiving and checking a push on every rank while the engine still serves (a
+        thread of the transfer engine; `push` of the same payload then only loads it): the
+        read, the page faults of fresh buffers and the fingerprints leave the pause."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info={"stage": update_info}))
+
     async def push(self, version: int, update_info: dict[str, Any], *, interrupt: bool = False,
                    keep: bool = False) -> dict[str, float]:
         """`swap` with the weights received through vLLM's weight-transfer API instead of read

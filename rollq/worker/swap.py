@@ -200,6 +200,10 @@ class VersionFollower:
                 return False
         info = pushes.update_info(entry.push, entry.tensors) | {"finite": self.mode == "keep"}
         try:
+            try:  # received and checked while the engine serves and drains
+                await self.engine.stage_push(info)
+            except Exception as e:  # the push's own update_weights reads it then, paused
+                log.warning("version %d: staging the push failed (%s); receiving it paused", version, e)
             if not await self.swap_to(entry, None, push=info):
                 return False
             if self.adapters is not None:
