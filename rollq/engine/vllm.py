@@ -182,17 +182,16 @@ def whole_prefills(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"enable_chunked_prefill": False}
 
 
-def cpu_ranks(kwargs: dict[str, Any]) -> dict[str, Any]:
+def unbind_cpu_ranks(kwargs: dict[str, Any]) -> None:
     """On vLLM's CPU build, ranks of a tensor-parallel engine run unbound to NUMA nodes unless the
     operator chose a binding: vLLM's default (`VLLM_CPU_OMP_THREADS_BIND=auto`) refuses to start
     2 ranks on a machine with one NUMA node ("Not enough allowed NUMA nodes to bind threads of 2
     local CPUWorkers"); `nobind` starts them (2 ranks on 2 cores: ~25 s, the same greedy tokens
-    as one rank). Changes only the environment; no engine argument."""
+    as one rank)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and kwargs.get("tensor_parallel_size", 1) > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    return {}
 
 
 class VLLMEngine:
@@ -235,7 +234,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU builds only read it
         kwargs = settings.engine_kwargs()
         transfer.register()  # in this process too: vLLM may run the model here (no engine process)
-        kwargs |= cpu_ranks(kwargs)
+        unbind_cpu_ranks(kwargs)
         zero_adapter = kwargs.get("enable_lora") and lora.needed()
         if zero_adapter:  # a slot of its own (see engine/lora.py)
             kwargs["max_loras"] += 1
