@@ -142,3 +142,33 @@ async def test_corrupted_push_is_refused(publisher, follower, versions, engine_v
     for r in await _served(publisher, PROMPTS[4:8]):
         reference.check(r.prompt_ids, r.samples[0])
         assert r.samples[0].versions == [(2, 0)]
+
+
+async def test_a_failed_load_after_a_push_goes_back_to_the_pushed_version(publisher, follower,
+                                                                         versions, engine_v1):
+    """After a push the worker checks the version's files and makes them the engine's restore
+    point: a later load that fails half way goes back to the pushed version, not further."""
+    weights, models = versions
+    worker = follower(swap_mode="drain")
+    await publisher.publish_weights(2, weights[2], push="shm")
+    await wait_until(lambda: engine_v1._weights_version == 2, what="v2's files as restore point")
+    rpc, reloads = engine_v1.llm.collective_rpc, []
+
+    async def fail_first_reload(method, *args, **kwargs):
+        if method == "reload_weights":
+            reloads.append(kwargs["kwargs"]["weights_path"])
+            if len(reloads) == 1:
+                raise RuntimeError("simulated load failure half way")
+        return await rpc(method, *args, **kwargs)
+
+    engine_v1.llm.collective_rpc = fail_first_reload
+    try:
+        await publisher.publish_weights(3, weights[3])  # files
+        await wait_until(lambda: 3 in worker.cannot_load, what="v3 given up")
+    finally:
+        engine_v1.llm.collective_rpc = rpc
+    assert engine_v1.version == 2 and reloads[1] == engine_v1._weights_path
+    reference = Reference(models)
+    for r in await _served(publisher, PROMPTS[:4]):
+        assert r.samples[0].versions == [(2, 0)]
+        reference.check(r.prompt_ids, r.samples[0])
