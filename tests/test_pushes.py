@@ -3,6 +3,7 @@ is what the reader gets, and the reader refuses every difference from the regist
 before handing anything on."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -68,6 +69,14 @@ def test_every_difference_is_refused(pushed, tmp_path):
             pushes.read_checked(str(one), bad, _empty)
     finally:
         one.unlink()
+
+
+def test_expired_segments_are_swept(pushed):
+    _, _, segment = pushed
+    old = pushes.write_segment(memoryview(b"x"), "left-by-a-dead-trainer")
+    os.utime(old, (time.time() - 120, time.time() - 120))
+    pushes.sweep_segments(60)
+    assert not old.exists() and segment.exists()
 
 
 def test_an_offer_is_taken_on_its_host_by_its_transport(pushed):

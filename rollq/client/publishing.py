@@ -163,6 +163,7 @@ class Publisher:
         bytes), fingerprinted per tensor and written into a shm segment for the push. A
         segment that fails is logged and the version published without a push (workers load the
         files); the files failing fail the publish."""
+        pushes.sweep_segments(PUSH_HOLD_S)  # (those of trainers that died)
         pool = ThreadPoolExecutor(1, thread_name_prefix="rollq-push")
         segment = pool.submit(_segment, image, f"{self.keys.policy}-{version}")
         try:

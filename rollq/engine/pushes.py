@@ -26,6 +26,7 @@ import os
 import re
 import socket
 import stat
+import time
 import uuid
 from functools import cache
 from pathlib import Path
@@ -137,6 +138,20 @@ def write_segment(data: memoryview, label: str) -> Path:
         raise
     os.close(fd)
     return path
+
+
+def sweep_segments(older_than_s: float) -> None:
+    """Remove this user's segments older than `older_than_s`, whoever wrote them: a trainer that
+    died leaves its last segments (a model's size of memory each) behind, and a segment's offer is
+    over once its hold ends. A worker still reading one holds its descriptor: unaffected."""
+    give_up = time.time() - older_than_s
+    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
+        try:
+            info = path.lstat()
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and info.st_mtime < give_up:
+                path.unlink()
+        except OSError:  # gone already, or another user's
+            pass
 
 
 def shm_offer(path: Path) -> PushOffer:
