@@ -86,3 +86,29 @@ def test_an_offer_is_taken_on_its_host_by_its_transport(pushed):
     assert not pushes.reachable(offer, None)
     assert not pushes.reachable(offer.__class__("shm", str(segment), "elsewhere/boot"), "shm")
     assert pushes.untouched(pushes.PushRefused("x"))
+
+
+async def test_a_push_publish_offers_fingerprints_and_cleans_up(make_client, tmp_path, policy):
+    """The entry carries every tensor's fingerprint (of its C-order bytes) and the offer; a push
+    refused by the registry (not above the newest) leaves no segment; bad input names `push`."""
+    from rollq.protocol import InvalidInput
+    from rollq.registry.versions import VersionConflict
+
+    client = make_client(weight_store=str(tmp_path / "store"))
+    state = {"w": torch.randn(4, 4), "b": torch.arange(3, dtype=torch.int32)}
+    await client.publish_weights(2, state, push="shm")
+    entry = await client.registry.get(2)
+    assert [(t.name, t.dtype, t.shape) for t in entry.tensors] == [("w", "float32", [4, 4]),
+                                                                    ("b", "int32", [3])]
+    assert entry.tensors[0].digest == pushes.fingerprint(state["w"].numpy().tobytes())
+    assert pushes.reachable(entry.push, "shm") and os.path.exists(entry.push.address)
+    label = f"{pushes.SEGMENT_PREFIX}{policy}-2-*"
+    with pytest.raises(VersionConflict):
+        await client.publish_weights(2, state, push="shm")
+    assert [str(p) for p in pushes.SHM_DIR.glob(label)] == [entry.push.address]
+    with pytest.raises(InvalidInput, match="push"):
+        await client.publish_weights(3, state, push="nccl")
+    with pytest.raises(InvalidInput, match="push"):
+        await client.publish_weights(3, str(tmp_path), push="shm")
+    await client.close()
+    assert not os.path.exists(entry.push.address)

@@ -130,12 +130,18 @@ class Publisher:
         else:
             path, files = await asyncio.to_thread(self._write_adapter, store, version, source)
             owned = True
-        # The offer is part of the entry: registered first, it travels with the announcement.
-        entry = await commit_files(self.redis, self.keys, store, version, path, files, owned,
-                                   publisher=self.trainer_id, keep=None, registry=self.registry,
-                                   adapter_on=adapter_on, tensors=offered[0], push=offered[1])
         if offered[1] is not None:
             self._segments.append(Path(offered[1].address))
+        # The offer is part of the entry: registered first, it travels with the announcement.
+        try:
+            entry = await commit_files(self.redis, self.keys, store, version, path, files, owned,
+                                       publisher=self.trainer_id, keep=None, registry=self.registry,
+                                       adapter_on=adapter_on, tensors=offered[0], push=offered[1])
+        except BaseException:
+            if offered[1] is not None:  # never registered: nobody will read it
+                self._drop_segment(offered[1].address)
+            raise
+        if offered[1] is not None:
             self.drop_segments(keep=1)
             asyncio.get_running_loop().call_later(PUSH_HOLD_S, self._drop_segment, offered[1].address)
         if owned:  # (by reference: the trainer's files, whose durability is the trainer's)
@@ -168,6 +174,11 @@ class Publisher:
         segment = pool.submit(_segment, image, f"{self.keys.policy}-{version}")
         try:
             path, files = store.write_image(self.keys.policy, version, image)
+        except BaseException:
+            wait_all([segment])
+            if segment.exception() is None:  # the version fails: nobody will read it
+                Path(segment.result()[1].address).unlink(missing_ok=True)
+            raise
         finally:
             wait_all([segment])  # the segment reads the buffer: returned only once both are done
             pool.shutdown()
