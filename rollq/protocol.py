@@ -466,6 +466,27 @@ class FileDigest(msgspec.Struct, **_WIRE):
     entries written before BLAKE3 carry (they have no fourth field) and still verifies."""
 
 
+class TensorDigest(msgspec.Struct, **_WIRE):
+    """One tensor of a pushed version: torch dtype name (`float32`), shape, and the BLAKE3 of its
+    bytes (C order), which the trainer computes on what it sends and the worker on what it got."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    digest: str
+
+
+class PushOffer(msgspec.Struct, **_WIRE):
+    """A version's tensors offered to live workers, announced with the version (its entry).
+
+    `transport` `shm`: `address` is a file under /dev/shm holding the tensors' bytes back to back
+    in the entry's `tensors` order, readable on the machine `host` names (`engine/pushes.py`)."""
+
+    transport: str
+    address: str
+    host: str
+
+
 class VersionEntry(msgspec.Struct, **_WIRE):
     """A registered policy version: where its safetensors files are and what they must hash to."""
 
@@ -484,6 +505,11 @@ class VersionEntry(msgspec.Struct, **_WIRE):
     `base`, side by side with other adapters, without a swap."""
     base: int = 0
     """Adapters only: the full version the adapter applies on (0: the model workers start with)."""
+    tensors: list[TensorDigest] = []
+    """Full versions published with a push: every tensor, in the order the push sends them, with
+    the fingerprint a worker checks what it received against before it serves it."""
+    push: PushOffer | None = None
+    """Where live workers can receive the tensors from, beside the files (`engine/pushes.py`)."""
 
 
 # One encoder and one decoder per type per process, reused (msgspec's advice).

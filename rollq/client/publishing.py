@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor, wait as wait_all
 from pathlib import Path
 from typing import Any
 
 from redis.asyncio import Redis
 
-from rollq.protocol import InvalidInput, Version, VersionEntry, typed
+from rollq.engine import pushes
+from rollq.protocol import InvalidInput, PushOffer, TensorDigest, Version, VersionEntry, typed
 from rollq.queue.keys import Keys
 from rollq.registry.adapters import is_adapter_dir
 from rollq.registry.commit import commit_files
@@ -25,6 +27,11 @@ from rollq.registry.store import WeightStore, adapter_files, digest_dir
 from rollq.registry.versions import Registry
 
 log = logging.getLogger("rollq.client")
+
+
+PUSH_HOLD_S = 60.0
+"""How long a push's segment stays for workers to read (a later push removes it sooner): a
+worker that comes later loads the version's files."""
 
 
 def _log_failed_publish(task: asyncio.Task) -> None:
@@ -44,6 +51,14 @@ class Publisher:
         """The last publish started: the next one registers after it (versions in order)."""
         self._staging = Staging()
         """Host buffers a published state_dict is copied into, kept for the next publishes."""
+        self._segments: list[Path] = []
+        """Pushes' shm segments still offered (the newest last)."""
+
+    def drop_segments(self, keep: int = 0) -> None:
+        """Remove all but the newest `keep` push segments (a worker reading one keeps reading:
+        its descriptor holds the file; one that comes later loads the version's files)."""
+        while len(self._segments) > keep:
+            self._segments.pop(0).unlink(missing_ok=True)
 
     async def settle(self) -> None:
         """Until the last publish started has finished (or failed)."""
@@ -51,8 +66,13 @@ class Publisher:
             await asyncio.wait([self._publishing])
 
     async def publish(self, version: int, source: Any, *, copy: bool, keep: int | None, wait: bool,
-                      adapter_on: int | None):
+                      adapter_on: int | None, push: str | None = None):
         typed("version", version, Version)
+        if push is not None and (push not in pushes.TRANSPORTS or adapter_on is not None
+                                 or isinstance(source, (str, os.PathLike))):
+            raise InvalidInput("push", f"push={push!r}: a push takes one of {list(pushes.TRANSPORTS)}, "
+                                       "and a full version's state_dict or model (not a directory, "
+                                       "not an adapter)")
         if adapter_on is not None:
             await self._check_adapter_base(version, adapter_on, source)
             if not isinstance(source, (str, os.PathLike)):
@@ -69,7 +89,7 @@ class Publisher:
             # as the file; from here its optimizer may change them in place.
             source = await asyncio.to_thread(self._pack, source)
         task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy,
-                                                         keep, adapter_on))
+                                                         keep, adapter_on, push))
         self._publishing = task
         if wait:
             return await task
@@ -91,7 +111,7 @@ class Publisher:
 
     async def _publish_in_turn(self, previous: asyncio.Task | None, version: int, source: Any,
                                copy: bool, keep: int | None,
-                               adapter_on: int | None = None) -> VersionEntry:
+                               adapter_on: int | None = None, push: str | None = None) -> VersionEntry:
         if previous is not None:
             await asyncio.wait([previous])  # its outcome is its own caller's to see
         store = WeightStore(self.weight_store, durable=False)
@@ -100,15 +120,30 @@ class Publisher:
         # other writer's journal commits: the adapter's store step took up to ~175 ms under
         # load; a checkpoint's fsync writes all of it to disk); the call returns once durable. What
         # a crash leaves at each step: docs/architecture.md, "Versions before they are durable".
-        if adapter_on is None:
+        offered: tuple[list[TensorDigest], PushOffer | None] = ([], None)
+        if push is not None:  # the files and the push's segment from the same packed bytes
+            path, files, offered = await asyncio.to_thread(self._write_pushed, store, version, source)
+            owned = True
+        elif adapter_on is None:
             path, files, owned = await asyncio.to_thread(self._write_weights, store, version,
                                                          source, copy)
         else:
             path, files = await asyncio.to_thread(self._write_adapter, store, version, source)
             owned = True
-        entry = await commit_files(self.redis, self.keys, store, version, path, files, owned,
-                                   publisher=self.trainer_id, keep=None, registry=self.registry,
-                                   adapter_on=adapter_on)
+        if offered[1] is not None:
+            self._segments.append(Path(offered[1].address))
+        # The offer is part of the entry: registered first, it travels with the announcement.
+        try:
+            entry = await commit_files(self.redis, self.keys, store, version, path, files, owned,
+                                       publisher=self.trainer_id, keep=None, registry=self.registry,
+                                       adapter_on=adapter_on, tensors=offered[0], push=offered[1])
+        except BaseException:
+            if offered[1] is not None:  # never registered: nobody will read it
+                self._drop_segment(offered[1].address)
+            raise
+        if offered[1] is not None:
+            self.drop_segments(keep=1)
+            asyncio.get_running_loop().call_later(PUSH_HOLD_S, self._drop_segment, offered[1].address)
         if owned:  # (by reference: the trainer's files, whose durability is the trainer's)
             await asyncio.to_thread(store.make_durable, path)
         if keep is not None:  # older versions go only once this one is durable
@@ -129,6 +164,38 @@ class Publisher:
         finally:
             self._staging.give(source.buffer)
 
+    def _write_pushed(self, store: WeightStore, version: int, image: Any):
+        """A packed checkpoint written into the store and, beside it (another thread, the same
+        bytes), fingerprinted per tensor and written into a shm segment for the push. A
+        segment that fails is logged and the version published without a push (workers load the
+        files); the files failing fail the publish."""
+        pushes.sweep_segments(PUSH_HOLD_S)  # (those of trainers that died)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rollq-push")
+        segment = pool.submit(_segment, image, f"{self.keys.policy}-{version}")
+        try:
+            path, files = store.write_image(self.keys.policy, version, image)
+        except BaseException:
+            wait_all([segment])
+            if segment.exception() is None:  # the version fails: nobody will read it
+                Path(segment.result()[1].address).unlink(missing_ok=True)
+            raise
+        finally:
+            wait_all([segment])  # the segment reads the buffer: returned only once both are done
+            pool.shutdown()
+            self._staging.give(image.buffer)
+        try:
+            tensors, offer = segment.result()
+        except OSError as e:
+            log.warning("version %d: no push (its segment could not be written: %s); workers "
+                        "load its files", version, e)
+            return path, files, ([], None)
+        return path, files, (tensors, offer)
+
+    def _drop_segment(self, address: str) -> None:
+        for path in [p for p in self._segments if str(p) == address]:
+            self._segments.remove(path)
+            path.unlink(missing_ok=True)
+
     def _write_adapter(self, store: WeightStore, version: int, source: Any):
         if isinstance(source, tuple):  # (tensors, config) of a PEFT model, copied already
             return store.write_adapter(self.keys.policy, version, *source)
@@ -136,3 +203,9 @@ class Publisher:
         if not source.is_dir():
             raise InvalidInput("source", f"{source} is not an adapter directory")
         return store.copy_dir(self.keys.policy, version, source, adapter_files)
+
+
+def _segment(image: Any, label: str) -> tuple[list[TensorDigest], PushOffer]:
+    """A packed image's tensors fingerprinted and their bytes in a new shm segment."""
+    tensors, start = pushes.image_tensors(image.view)
+    return tensors, pushes.shm_offer(pushes.write_segment(image.view[start:], label))

@@ -162,6 +162,7 @@ class RolloutClient:
 
     async def close(self) -> None:
         await self._publisher.settle()  # a background publish finishes (or fails) first
+        self._publisher.drop_segments()
         if self._owns_redis:
             await self.redis.aclose()
 
@@ -572,7 +573,7 @@ class RolloutClient:
 
     async def publish_weights(self, version: int, source: Any, *, copy: bool = True,
                               keep: int | None = None, wait: bool = True,
-                              adapter_on: int | None = None):
+                              adapter_on: int | None = None, push: str | None = None):
         """Register policy `version` (strictly above the newest); workers swap to it.
 
         `source`: a directory of safetensors files (copied into the weight store, or registered
@@ -601,9 +602,14 @@ class RolloutClient:
         adapters and without a swap. `source` is then a PEFT model (its active LoRA adapter) or
         a directory PEFT's `save_pretrained` wrote; only `adapter_config.json` and
         `adapter_model.safetensors` are stored (always copied).
+
+        `push="shm"` (a state_dict or model): the tensors are also offered to live workers whose
+        engine receives pushes (on this machine, `engine/pushes.py`), which take them straight
+        into vLLM and check each tensor's fingerprint in the entry; workers that miss the push
+        load the files (docs/architecture.md, "GPU weight paths").
         """
         return await self._publisher.publish(version, source, copy=copy, keep=keep, wait=wait,
-                                             adapter_on=adapter_on)
+                                             adapter_on=adapter_on, push=push)
 
     async def latest_version(self) -> int | None:
         return await self.registry.latest()

@@ -35,6 +35,10 @@ class EngineDead(Exception):
 
 @runtime_checkable
 class Engine(Protocol):
+    """What every engine does. An engine that also receives pushes (`VLLMEngine` started with a
+    rollq weight-transfer backend) has `push_transport`, `stage_push`, `push` and
+    `restore_point` besides; the follower looks for `push_transport` and pushes only to such."""
+
     @property
     def version(self) -> int:
         """The policy version now loaded."""

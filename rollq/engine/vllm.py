@@ -21,7 +21,8 @@ import msgspec
 
 from rollq.config import VLLMSettings
 from rollq.engine.base import EngineDead, Generated, GroupError
-from rollq.engine import lora
+from rollq.engine import lora, transfer
+from rollq.engine.pushes import BACKENDS, untouched
 from rollq.engine.chat import ChatRenderer
 from rollq.engine.images import EngineImages, image_tokens
 from rollq.protocol import (SAMPLING_EXTRA, Sample, Sampling, WorkItem, pack_floats, pack_tokens,
@@ -93,6 +94,12 @@ class _SampleState:
                       top_ids=pack_tokens(ids), top_logprobs=pack_floats(values), text=self.text,
                       token_texts=self.token_texts, top_texts=self.top_texts,
                       token_ranks=pack_tokens(self.ranks) if ranks else b"")
+
+
+class _Pushed(NamedTuple):
+    """A swap's weights pushed rather than read from files: vLLM's `update_weights` payload."""
+
+    update_info: dict[str, Any]
 
 
 class _Span(msgspec.Struct):
@@ -175,6 +182,18 @@ def whole_prefills(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"enable_chunked_prefill": False}
 
 
+def unbind_cpu_ranks(kwargs: dict[str, Any]) -> None:
+    """On vLLM's CPU build, ranks of a tensor-parallel engine run unbound to NUMA nodes unless the
+    operator chose a binding: vLLM's default (`VLLM_CPU_OMP_THREADS_BIND=auto`) refuses to start
+    2 ranks on a machine with one NUMA node ("Not enough allowed NUMA nodes to bind threads of 2
+    local CPUWorkers"); `nobind` starts them (2 ranks on 2 cores: ~25 s, the same greedy tokens
+    as one rank)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and kwargs.get("tensor_parallel_size", 1) > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
 class VLLMEngine:
     def __init__(self, llm: Any, *, version: int = 0, has_tokenizer: bool = False,
                  weights_path: str = "", parsers: dict[str, Any] | None = None):
@@ -183,6 +202,10 @@ class VLLMEngine:
         self._version = version
         self.has_tokenizer = has_tokenizer
         self._weights_path = weights_path
+        """The last verified files the engine loaded: what a failed load goes back to."""
+        self._weights_version = version
+        """The version of `_weights_path` (older than `_version` after a push, until the worker
+        has checked a copy of the pushed version's files: `restore_point`)."""
         self._labelled = False
         # Interrupt swaps: a request that ends "abort" while a swap began after it was sent
         # continues once the swap is done.
@@ -210,6 +233,8 @@ class VLLMEngine:
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; CPU builds only read it
         kwargs = settings.engine_kwargs()
+        transfer.register()  # in this process too: vLLM may run the model here (no engine process)
+        unbind_cpu_ranks(kwargs)
         zero_adapter = kwargs.get("enable_lora") and lora.needed()
         if zero_adapter:  # a slot of its own (see engine/lora.py)
             kwargs["max_loras"] += 1
@@ -441,6 +466,36 @@ class VLLMEngine:
             f"{request_id}-{index}-{len(state.tokens)}")
         return final.outputs[0], version, epoch
 
+    @property
+    def push_transport(self) -> str | None:
+        """The rollq transport this engine receives pushes by (`engine/pushes.py`), or None: the
+        engine was started without a rollq weight-transfer backend."""
+        config = self.llm.vllm_config.weight_transfer_config
+        backend = None if config is None else config.backend
+        return next((name for name, b in BACKENDS.items() if b == backend), None)
+
+    def restore_point(self, version: int, path: str) -> None:
+        """Verified files of `version`, the one served: a failed load goes back to them."""
+        if version == self._version:
+            self._weights_path, self._weights_version = path, version
+
+    async def stage_push(self, update_info: dict[str, Any]) -> None:
+        """Begin receiving and checking a push on every rank while the engine still serves (a
+        thread of the transfer engine; `push` of the same payload then only loads it): the
+        read, the page faults of fresh buffers and the fingerprints leave the pause."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info={"stage": update_info}))
+
+    async def push(self, version: int, update_info: dict[str, Any], *, interrupt: bool = False,
+                   keep: bool = False) -> dict[str, float]:
+        """`swap` with the weights received through vLLM's weight-transfer API instead of read
+        from files: `update_info` goes to the engine's transfer engine on every rank
+        (`engine/transfer.py`), which checks every tensor's fingerprint before it loads any.
+        A refused or failed push raises, the engine back on its last verified files."""
+        return await self.swap(version, _Pushed(update_info), interrupt=interrupt, keep=keep)
+
     async def swap(self, version: int, path: str, *, interrupt: bool = False,
                    keep: bool = False) -> dict[str, float]:
         """Load `version` (already verified). `interrupt`: abort running requests, which then
@@ -477,7 +532,9 @@ class VLLMEngine:
                 lap("pause")
                 await self._load_or_restore(version, path)  # labels the loaded version too
                 lap("load")
-            self._version, self._weights_path, self._labelled = version, path, True
+            self._version, self._labelled = version, True
+            if not isinstance(path, _Pushed):
+                self._weights_path, self._weights_version = path, version
             if not keep:  # (a keep swap cannot: the frozen requests hold blocks; see _salted)
                 await llm.reset_prefix_cache()
         finally:
@@ -549,11 +606,11 @@ class VLLMEngine:
         slot taken, the probe waits for one) has then had its result written."""
         llm = self.llm
         try:
-            await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        except Exception:
-            await self._load_or_restore(self._version, self._weights_path)
+            await self._reload(path, version)
+        except Exception as e:
+            if not untouched(e):
+                await self._restore(version)
             raise
-        await llm.update_weight_version(str(version))
         await llm.resume_generation()
         logprob = await self._probe()
         if not math.isfinite(logprob):
@@ -573,18 +630,26 @@ class VLLMEngine:
         try:
             await self._load(path, version)
         except Exception as e:
-            # vLLM moves the layers to the meta device before reading: a load that fails half
-            # way leaves no weights at all, so the old ones must come back before anything runs.
-            log.exception("loading version %d failed; loading version %d back from %s", version,
-                          self._version, self._weights_path)
-            try:
-                await self._load(self._weights_path, self._version)
-            except Exception as again:
-                self._dead = (f"version {version} failed to load ({e}) and version {self._version} "
-                              f"could not be loaded back ({again})")
-                log.error("engine unusable: %s", self._dead)
-                raise EngineDead(self._dead) from again
+            if not untouched(e):  # (a refused push: nothing was loaded, the version serves on)
+                await self._restore(version)
             raise
+
+    async def _restore(self, version: int) -> None:
+        """After a failed load of `version`: the last verified files back (vLLM moves the layers
+        to the meta device before reading, so a load that fails half way leaves no weights at
+        all; they must come back before anything runs). After a push they may be of an older
+        version than the one served (see `restore_point`): the engine then serves, and labels,
+        that one."""
+        log.exception("loading version %d failed; loading version %d back from %s", version,
+                      self._weights_version, self._weights_path)
+        try:
+            await self._load(self._weights_path, self._weights_version)
+        except Exception as again:
+            self._dead = (f"version {version} failed to load and version {self._weights_version} "
+                          f"could not be loaded back ({again})")
+            log.error("engine unusable: %s", self._dead)
+            raise EngineDead(self._dead) from again
+        self._version = self._weights_version
 
     async def _load(self, path: str, version: int) -> None:
         """reload_weights, then one greedy probe token (generation resumed just for it): vLLM only
@@ -599,8 +664,7 @@ class VLLMEngine:
         own single token leaves NaN only in a block's first slot, which every later user of the
         block writes before it reads. The label changes before the resume all the same."""
         llm = self.llm
-        await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        await llm.update_weight_version(str(version))
+        await self._reload(path, version)
         await llm.resume_generation()
         try:
             logprob = await self._probe()
@@ -608,6 +672,21 @@ class VLLMEngine:
             await self._pause("wait", clear_cache=True)
         if not math.isfinite(logprob):
             raise RuntimeError(f"weights loaded from {path} give a logprob of {logprob}")
+
+    async def _reload(self, source: str | _Pushed, version: int) -> None:
+        """The weights of `version` into the paused engine, labelled: from files (vLLM's
+        `reload_weights`), or pushed through vLLM's weight-transfer API."""
+        llm = self.llm
+        if not isinstance(source, _Pushed):
+            await llm.collective_rpc("reload_weights", kwargs={"weights_path": source})
+            await llm.update_weight_version(str(version))
+            return
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await llm.start_weight_update()
+        # A refusal raises here; vLLM's worker ends the update session itself then.
+        await llm.update_weights(WeightTransferUpdateRequest(update_info=source.update_info))
+        await llm.finish_weight_update(weight_version=str(version))
 
     async def _probe(self) -> float:
         """One greedy token of prompt [0] on the weights just loaded (see `_load`)."""

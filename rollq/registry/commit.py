@@ -9,7 +9,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from rollq.protocol import FileDigest, VersionEntry
+from rollq.protocol import FileDigest, PushOffer, TensorDigest, VersionEntry
 from rollq.queue.keys import Keys
 from rollq.registry.retention import retain
 from rollq.registry.store import WeightStore
@@ -32,11 +32,15 @@ async def commit_version(redis: Redis, keys: Keys, store: WeightStore, entry: Ve
 
 async def commit_files(redis: Redis, keys: Keys, store: WeightStore, version: int, path: str | Path,
                        files: list[FileDigest], owned: bool, *, publisher: str, keep: int | None,
-                       registry: Registry | None = None, adapter_on: int | None = None) -> VersionEntry:
+                       registry: Registry | None = None, adapter_on: int | None = None,
+                       tensors: list[TensorDigest] | None = None,
+                       push: PushOffer | None = None) -> VersionEntry:
     """Commit `version` from its files at `path`, written and hashed (`owned`: a copy in the
     store, deleted if the version is refused; else the publisher's, registered by reference).
-    `adapter_on`: an adapter version on that full version. Returns the entry registered."""
+    `adapter_on`: an adapter version on that full version; `tensors`, `push`: a push offered
+    with it (`engine/pushes.py`). Returns the entry registered."""
     entry = VersionEntry(version, str(path), files, sum(f.bytes for f in files), time.time(), publisher,
-                         owned, "full" if adapter_on is None else "adapter", adapter_on or 0)
+                         owned, "full" if adapter_on is None else "adapter", adapter_on or 0,
+                         tensors or [], push)
     await commit_version(redis, keys, store, entry, keep, registry)
     return entry

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
+from rollq.engine import pushes
 from rollq.protocol import SwapMode, VersionEntry
-from rollq.registry.safetensors_check import Schema, WeightError
+from rollq.registry.safetensors_check import Schema, WeightError, check_compatible
 from rollq.registry.snapshots import Snapshots, check_version
 from rollq.registry.versions import Registry
 from rollq.worker.resident import ResidentAdapters
@@ -65,6 +66,9 @@ class VersionFollower:
         """The snapshot copy and check run here, not in the loop's default executor: a new
         version's check must not queue behind whatever else the process runs in threads."""
         self.loaded: tuple[int, Path] | None = None
+        self._unchecked: int | None = None
+        """A pushed version served whose files failed their check (so not `loaded`): its pin
+        goes when a later version serves."""
         """The version the engine serves from a snapshot of ours (None: the start-up weights)."""
         self.versions = versions
         """Written here (and by the adapters served beside the loaded version); the worker reads it."""
@@ -146,13 +150,20 @@ class VersionFollower:
         return entry.base
 
     async def _follow(self, version: int) -> None:
-        """Pin → snapshot and check → swap; the pin and snapshot of the version not served go."""
+        """Pin → (push, or snapshot and check) → swap; the pin and snapshot of the version not
+        served go."""
         heartbeat = self.heartbeat
         entry = await self.registry.pin(version, self.worker_id, heartbeat.ttl_s)
         if entry is None:  # retired since `latest` was read: the next catch-up finds a newer one
             return
         heartbeat.holds.add(version)
         heartbeat.target = version
+        if entry.tensors and pushes.reachable(entry.push, getattr(self.engine, "push_transport", None)):
+            if await self._pushed(entry):
+                return
+            if version in self.versions.cannot_load:  # the engine died of it
+                return
+            heartbeat.target = version  # refused: the files, as a worker that missed the push
         log.info("version %d: pinned; checking a private copy of its files", version)
         snapshot, served = self.snapshots.new(version), False
         try:
@@ -168,15 +179,64 @@ class VersionFollower:
                 old, self.loaded = self.loaded, (version, snapshot)
                 if old is not None:
                     await self._release(*old)
+                await self._release_unchecked()
                 if self.adapters is not None:
                     await self.adapters.rebase()
             else:
                 await self._release(version, snapshot)
 
-    async def swap_to(self, entry: VersionEntry, path: Path, *, verify_s: float = 0.0) -> bool:
-        """Gate closed → drain what must finish on the old version → swap to `path` → gate open.
+    async def _pushed(self, entry: VersionEntry) -> bool:
+        """Swap to `entry` by its push (the engine checks every tensor's fingerprint before it
+        loads any), then copy and check its files as the engine's restore point (a later failed
+        load goes back to them, not to the version before), off the path to serving. False: the
+        push failed (the engine is back on its last verified files); load the files instead."""
+        version = entry.version
+        if self.base_schema is not None:  # vLLM only warns of tensors it was not given
+            try:
+                check_compatible({t.name: (t.dtype, tuple(t.shape)) for t in entry.tensors},
+                                 self.base_schema, f"version {version}'s push")
+            except WeightError as e:  # (its files hold the same tensors: their check refuses it)
+                log.error("%s; not taken", e)
+                return False
+        info = pushes.update_info(entry.push, entry.tensors) | {"finite": self.mode == "keep"}
+        try:
+            try:  # received and checked while the engine serves and drains
+                await self.engine.stage_push(info)
+            except Exception as e:  # the push's own update_weights reads it then, paused
+                log.warning("version %d: staging the push failed (%s); receiving it paused", version, e)
+            if not await self.swap_to(entry, None, push=info):
+                return False
+            if self.adapters is not None:
+                await self.adapters.rebase()
+            snapshot = self.snapshots.new(version)
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._checker, functools.partial(check_version, entry, self.base_schema, snapshot,
+                                                     spare=self.snapshots.take_spare()))
+            except Exception as e:  # served from checked bytes all the same; restore stays older
+                self.snapshots.drop(snapshot)
+                await self._release_unchecked()
+                self._unchecked = version
+                self.versions.failed(f"version {version}: pushed, but its files failed their check "
+                                     f"({type(e).__name__}: {e}); a failed load goes back further")
+                log.error("%s", self.versions.last_error)
+                return True
+            self.engine.restore_point(version, str(snapshot))
+            old, self.loaded = self.loaded, (version, snapshot)
+            if old is not None:
+                await self._release(*old)
+            await self._release_unchecked()
+            return True
+        finally:
+            self.heartbeat.target = None
 
-        `verify_s`: time already spent checking the files, reported with the other phases.
+    async def swap_to(self, entry: VersionEntry, path: Path | None, *, verify_s: float = 0.0,
+                      push: dict | None = None) -> bool:
+        """Gate closed → drain what must finish on the old version → swap to `path` (or by
+        `push`, vLLM's update payload) → gate open.
+
+        `verify_s`: time already spent checking the files, reported with the other phases. A
+        failed swap refuses the version; a failed push only reports it (the files come next).
         """
         version, began, versions, mode, engine = entry.version, time.monotonic(), self.versions, \
             self.mode, self.engine
@@ -189,13 +249,23 @@ class VersionFollower:
         # group runs on an adapter (it applies on the weights being replaced).
         await self.admission.close(lambda item: not crosses(item, version) or (
             adapters is not None and id(item) in adapters.serving))
-        phases = {"verify": verify_s, "drain": time.monotonic() - began}
+        # (a push has no verify phase: its check is part of its load, phase `push`)
+        phases = ({} if push else {"verify": verify_s}) | {"drain": time.monotonic() - began}
         versions.moving("swapping")
         try:
-            phases |= await engine.swap(version, str(path), interrupt=mode == "interrupt",
-                                        keep=mode == "keep")
+            if push is None:
+                phases |= await engine.swap(version, str(path), interrupt=mode == "interrupt",
+                                            keep=mode == "keep")
+            else:
+                pushed = await engine.push(version, push, interrupt=mode == "interrupt",
+                                           keep=mode == "keep")
+                phases |= {("push" if k == "load" else k): v for k, v in pushed.items()}
         except Exception as e:  # the engine is back on its old weights (or dead); report, never retry
-            versions.refuse(version, f"swap to version {version} failed: {type(e).__name__}: {e}")
+            what = f"{'push' if push else 'swap'} to version {version} failed: {type(e).__name__}: {e}"
+            if push is None or not engine.alive:
+                versions.refuse(version, what)
+            else:
+                versions.failed(what)
             self.stats.swap(False, time.monotonic() - began, phases)
             log.error("%s; still serving version %d", versions.last_error, engine.version)
             return False
@@ -203,10 +273,18 @@ class VersionFollower:
             versions.moving("serving")
             self.admission.reopen()
             self.heartbeat.soon()  # the version served (new or old), at once: not in 10 s
-        log.info("now serving version %d (%s swap, %.2f s: %s)", version, mode, time.monotonic() - began,
+        log.info("now serving version %d (%s %s, %.2f s: %s)", version, mode,
+                 "push" if push else "swap", time.monotonic() - began,
                  ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
         self.stats.swap(True, time.monotonic() - began, phases)
         return True
+
+    async def _release_unchecked(self) -> None:
+        version, self._unchecked = self._unchecked, None
+        if version is not None:
+            self.heartbeat.holds.discard(version)
+            with contextlib.suppress(RedisError):
+                await self.registry.unpin(version, self.worker_id)
 
     async def _release(self, version: int, snapshot: Path) -> None:
         """The engine reads `snapshot` no more (swapped past it, or back from it): its files

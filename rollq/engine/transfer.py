@@ -1,0 +1,134 @@
+"""rollq's weight-transfer engines inside vLLM: registered in vLLM's `WeightTransferEngineFactory`
+in every vLLM process (`engine/vllm_plugin.py`), created by vLLM on each model rank of an engine
+started with `weight_transfer_config={"backend": "rollq_shm"}`, and driven through vLLM's own
+API (`AsyncLLM.start_weight_update`, `update_weights`, `finish_weight_update`), as vLLM's `ipc`
+and `nccl` engines are.
+
+`rollq_shm`: each rank reads the whole segment (`engine/pushes.py: read_checked`) into tensors of
+its own and checks every fingerprint before anything reaches the model; only then does it begin
+vLLM's layerwise reload (as vLLM's IPC engine does, with `model.load_weights`, which shards each
+full tensor for its rank). So a refused push has touched no weight: the engine still holds the
+version it served. A load that fails after that (vLLM itself) leaves layers half loaded, and the
+engine loads its last verified files back (`VLLMEngine._load_or_restore`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from rollq.engine.pushes import BACKENDS, PushRefused, read_checked
+from rollq.protocol import TensorDigest
+
+
+@dataclass
+class ShmInitInfo(WeightTransferInitInfo):
+    """Nothing to agree on beforehand (each update names its segment); `stage`: an update's
+    payload to receive and check now, in a thread of this process, while the engine still serves
+    (`VLLMEngine.stage_push`); the `update_weights` of the same segment then loads what was
+    staged, so the engine's pause holds only the load."""
+
+    stage: dict | None = None
+
+
+@dataclass
+class ShmUpdateInfo(WeightTransferUpdateInfo):
+    address: str
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    digests: list[str] = field(default_factory=list)
+    finite: bool = False
+    """Refuse NaN/inf weights too (a keep swap's frozen requests would sample on them)."""
+
+    def __post_init__(self):
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes) == len(self.digests):
+            raise ValueError("update_info: names, dtype_names, shapes and digests must have one "
+                             f"entry per tensor (got {len(self.names)}, {len(self.dtype_names)}, "
+                             f"{len(self.shapes)}, {len(self.digests)})")
+
+    def tensors(self) -> list[TensorDigest]:
+        return [TensorDigest(n, d, list(s), f) for n, d, s, f in
+                zip(self.names, self.dtype_names, self.shapes, self.digests)]
+
+
+def _empty(t: TensorDigest):
+    tensor = torch.empty(t.shape, dtype=getattr(torch, t.dtype))
+    return tensor, memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _receive(info: ShmUpdateInfo) -> list[tuple[str, torch.Tensor]]:
+    """The segment's tensors in memory of this process, every fingerprint checked."""
+    weights = read_checked(info.address, info.tensors(), _empty)
+    if info.finite:
+        for name, t in weights:
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise PushRefused(f"tensor {name} holds NaN or inf")
+    return weights
+
+
+class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
+    init_info_cls = ShmInitInfo
+    update_info_cls = ShmUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._reloading = False
+        self._staged: tuple[str, Future] | None = None
+        """(segment, its tensors being read and checked) while the engine serves."""
+        self._stager: ThreadPoolExecutor | None = None
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        if init_info.stage is None:
+            return
+        info = ShmUpdateInfo(**init_info.stage)
+        if self._stager is None:
+            self._stager = ThreadPoolExecutor(1, thread_name_prefix="rollq-push-stage")
+        # (pread and BLAKE3 release the GIL: generation goes on beside it)
+        self._staged = (info.address, self._stager.submit(_receive, info))
+
+    def start_weight_update(self) -> None:
+        # The layerwise reload begins with the first checked chunk (receive_weights), so a push
+        # refused before it leaves every layer as it was.
+        self._reloading = False
+
+    def receive_weights(self, update_info: ShmUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == update_info.address:
+            weights = staged[1].result()  # (its refusal is raised here, nothing loaded yet)
+        else:
+            weights = _receive(update_info)
+        if not self._reloading:
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        self._staged = None
+        if self._reloading:
+            finalize_layerwise_reload(self.model, self.model_config)
+            self._reloading = False
+
+    def shutdown(self) -> None:
+        self._staged = None
+        if self._stager is not None:
+            self._stager.shutdown(wait=False)
+
+
+def register() -> None:
+    """rollq's engines in vLLM's factory (once per process; vLLM may run its plugins again)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKENDS["shm"] not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKENDS["shm"], ShmTransferEngine)

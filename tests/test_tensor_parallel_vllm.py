@@ -1,0 +1,53 @@
+# ruff: noqa: F811 (fixtures imported from swap_fixtures are test arguments by design)
+"""A worker whose engine runs 2 tensor-parallel ranks (vLLM's CPU build: each rank a process of
+its own, rollq's transfer engine registered in each by the plugin): it serves, swaps by files and
+takes a push, each time transformers' greedy tokens under the version it labels. One engine
+start (2 ranks: ~25 s quiet, minutes on a loaded 2-core box), one test."""
+
+import pytest
+from conftest import engine_flags
+from helpers import collect, wait_until
+from models import token_logprobs
+
+from swap_fixtures import (GREEDY, PROMPTS, Reference, engine_v1, follower,  # noqa: F401
+                           publisher, versions)
+
+
+@pytest.fixture(scope="module")
+async def swap_engine(tiny_model):
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    flags = engine_flags(tiny_model) | {"tensor_parallel_size": 2, "engine_args": {
+        "weight_transfer_config": {"backend": "rollq_shm"}}}
+    engine = await VLLMEngine.start(VLLMSettings(**flags).validate(), version=1)
+    yield engine
+    await engine.close()
+
+
+@pytest.mark.timeout(600)
+async def test_two_ranks_serve_swap_and_take_a_push(publisher, follower, versions, engine_v1):
+    weights, models = versions
+    assert engine_v1.llm.vllm_config.parallel_config.tensor_parallel_size == 2
+    worker = follower(swap_mode="interrupt")
+    reference = Reference(models)
+    sampling = GREEDY | {"max_tokens": 16, "logprobs": 0}
+
+    async def check(version: int) -> None:
+        await publisher.submit(PROMPTS[:4], n=1, sampling=sampling)
+        for r in await collect(publisher, 4, timeout_s=120):
+            [sample] = r.samples
+            assert sample.versions == [(version, 0)]
+            reference.check(r.prompt_ids, sample)
+            expected = token_logprobs(models[version], r.prompt_ids, sample.token_ids)
+            assert max(abs(a - b) for a, b in zip(sample.token_logprobs, expected)) < 1e-4
+
+    await check(1)
+    await publisher.publish_weights(2, weights[2])  # files
+    await wait_until(lambda: engine_v1.version == 2, timeout_s=60, what="v2 from its files")
+    assert "verify" in worker.stats.totals.last_swap
+    await check(2)
+    await publisher.publish_weights(3, weights[3], push="shm")  # each rank reads and checks it
+    await wait_until(lambda: engine_v1.version == 3, timeout_s=60, what="v3 pushed")
+    assert "push" in worker.stats.totals.last_swap, worker.last_error
+    await check(3)
