@@ -417,7 +417,7 @@ async def test_status_counts_the_groups_on_routed_streams(redis, policy):
     assert (queue.trainer, queue.waiting, queue.running) == ("t", 3, 0)
 
 
-def _chat_tokenizer(tmp_path, template: str, specials: list[str]):
+def chat_tokenizer(template: str, specials: list[str]):
     """A byte-level BPE tokenizer (kept whitespace: ChatML's "\n" is a token) with `specials` as
     special tokens and `template`, trained here in milliseconds: no model needed."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -450,7 +450,7 @@ def test_a_chat_continuation_is_what_the_template_writes_after_the_reply(tmp_pat
         "llama3": (LLAMA3_TEMPLATE, "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
         "gemma": (GEMMA_TEMPLATE, "<end_of_turn>", ["<start_of_turn>", "<end_of_turn>"]),
     }[family]
-    tokenizer = _chat_tokenizer(tmp_path, template, specials)
+    tokenizer = chat_tokenizer(template, specials)
 
     def render(messages):
         return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
