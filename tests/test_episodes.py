@@ -434,19 +434,23 @@ def chat_tokenizer(template: str, specials: list[str]):
                                    unk_token="<unk>", chat_template=template)
 
 
-@pytest.mark.parametrize("family", ["chatml", "llama3", "gemma"])
+@pytest.mark.parametrize("family", ["chatml", "qwen3", "llama3", "gemma"])
 def test_a_chat_continuation_is_what_the_template_writes_after_the_reply(tmp_path, family):
     """Issue 42 item 1, for episodes: the new tokens after a reply are exactly what the template's
     own rendering of the whole conversation has there: after a reply that ended with the
     template's end token (ChatML: "\n<|im_start|>user..." follows a sampled <|im_end|>), and after
     one cut by max_tokens (the whole closing, end token included). Checked against Hugging Face's
-    rendering of the whole conversation (these templates re-render history unchanged)."""
-    from models import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE
+    rendering of the whole conversation (these templates re-render this history unchanged; Qwen3's,
+    which renders a conversation's last assistant message with an empty <think></think> and
+    earlier ones without, was refused before: its continuation was taken as a difference of two
+    renderings)."""
+    from models import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, QWEN3_TEMPLATE
 
     from rollq.client.episodes import chat_continuation
 
     template, end, specials = {
         "chatml": (CHATML_TEMPLATE, "<|im_end|>", ["<|im_start|>", "<|im_end|>"]),
+        "qwen3": (QWEN3_TEMPLATE, "<|im_end|>", ["<|im_start|>", "<|im_end|>"]),
         "llama3": (LLAMA3_TEMPLATE, "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
         "gemma": (GEMMA_TEMPLATE, "<end_of_turn>", ["<start_of_turn>", "<end_of_turn>"]),
     }[family]
@@ -463,7 +467,7 @@ def test_a_chat_continuation_is_what_the_template_writes_after_the_reply(tmp_pat
                     + [tokenizer.convert_tokens_to_ids(end)],  # ended by its stop token
                     tokenizer.encode(reply, add_special_tokens=False)):  # cut by max_tokens
         assert render(first) + sampled + chat_continuation(tokenizer, new, sampled) == whole
-    if family == "chatml":  # the "\n" the template writes after <|im_end|> is kept
+    if family in ("chatml", "qwen3"):  # the "\n" the template writes after <|im_end|> is kept
         after_end = chat_continuation(tokenizer, new, sampled=[tokenizer.convert_tokens_to_ids(end)])
         assert tokenizer.decode(after_end).startswith("\n<|im_start|>user")
 
