@@ -415,3 +415,81 @@ async def test_status_counts_the_groups_on_routed_streams(redis, policy):
     await jobs.enqueue(redis, scripts, keys, job_id="b", items=[b"y", b"z"], stream=routed, **enqueue)
     [queue] = (await policy_status(redis, policy)).queues
     assert (queue.trainer, queue.waiting, queue.running) == ("t", 3, 0)
+
+
+def chat_tokenizer(template: str, specials: list[str]):
+    """A byte-level BPE tokenizer (kept whitespace: ChatML's "\n" is a token) with `specials` as
+    special tokens and `template`, trained here in milliseconds: no model needed."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", *specials],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(["user assistant model tool system hello there how are you fine"], trainer)
+    core.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", chat_template=template)
+
+
+@pytest.mark.parametrize("family", ["chatml", "qwen3", "llama3", "gemma"])
+def test_a_chat_continuation_is_what_the_template_writes_after_the_reply(tmp_path, family):
+    """Issue 42 item 1, for episodes: the new tokens after a reply are exactly what the template's
+    own rendering of the whole conversation has there: after a reply that ended with the
+    template's end token (ChatML: "\n<|im_start|>user..." follows a sampled <|im_end|>), and after
+    one cut by max_tokens (the whole closing, end token included). Checked against Hugging Face's
+    rendering of the whole conversation (these templates re-render this history unchanged; Qwen3's,
+    which renders a conversation's last assistant message with an empty <think></think> and
+    earlier ones without, was refused before: its continuation was taken as a difference of two
+    renderings)."""
+    from models import CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, QWEN3_TEMPLATE
+
+    from rollq.client.episodes import chat_continuation
+
+    template, end, specials = {
+        "chatml": (CHATML_TEMPLATE, "<|im_end|>", ["<|im_start|>", "<|im_end|>"]),
+        "qwen3": (QWEN3_TEMPLATE, "<|im_end|>", ["<|im_start|>", "<|im_end|>"]),
+        "llama3": (LLAMA3_TEMPLATE, "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
+        "gemma": (GEMMA_TEMPLATE, "<end_of_turn>", ["<start_of_turn>", "<end_of_turn>"]),
+    }[family]
+    tokenizer = chat_tokenizer(template, specials)
+
+    def render(messages):
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False))
+
+    first = [{"role": "user", "content": "hello there"}]
+    reply, new = "how are you", [{"role": "user", "content": "fine"}]
+    whole = render([*first, {"role": "assistant", "content": reply}, *new])
+    for sampled in (tokenizer.encode(reply, add_special_tokens=False)
+                    + [tokenizer.convert_tokens_to_ids(end)],  # ended by its stop token
+                    tokenizer.encode(reply, add_special_tokens=False)):  # cut by max_tokens
+        assert render(first) + sampled + chat_continuation(tokenizer, new, sampled) == whole
+    if family in ("chatml", "qwen3"):  # the "\n" the template writes after <|im_end|> is kept
+        after_end = chat_continuation(tokenizer, new, sampled=[tokenizer.convert_tokens_to_ids(end)])
+        assert tokenizer.decode(after_end).startswith("\n<|im_start|>user")
+
+
+async def test_a_turn_skips_the_closings_end_token_only_after_a_reply_that_ended_with_it(
+        make_client, make_worker):
+    """`Episodes.turn(end_token_at=k)` (the gateway's `messages` turns): new_tokens[k] is the
+    closing's end token; it and what comes before it are not appended when the record ends with
+    it (the reply sampled it), and are otherwise. The instant engine's last token stands in for a
+    sampled end token: its samples are known in advance."""
+    make_worker()
+    episodes = make_client().episodes()
+    prompt = [11, 12, 13]
+    [first] = await episodes.start(prompt, sampling=SAMPLING)
+    last = first.tokens[-1]
+    turn = await episodes.turn(first.episode_id, [9, last, 21, 22], end_token_at=1)
+    assert turn.new_tokens == [21, 22]
+    other = turn.tokens[-1] + 1  # not the token the reply ended with: all of the closing
+    turn2 = await episodes.turn(first.episode_id, [other, 23], end_token_at=0)
+    assert turn2.new_tokens == [other, 23]
+    episode = await episodes.end(first.episode_id)
+    assert episode.tokens == prompt + first.tokens + [21, 22] + turn.tokens + [other, 23] + turn2.tokens
+    with pytest.raises(InvalidInput, match="end_token_at"):
+        await episodes.turn(first.episode_id, [1], end_token_at=1)
+    await episodes.close()

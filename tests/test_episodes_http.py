@@ -95,3 +95,39 @@ async def test_with_no_worker_a_turn_is_refused_at_once(make_gateway, policy):
     async with (aiohttp.ClientSession(gw.url, headers=gw.headers()) as http,
                 http.post(f"/v1/policies/{policy}/episodes", json={"prompt": [1]}) as r):
         assert r.status == 409 and "no live worker" in (await r.json())["error"]["message"]
+
+
+async def test_a_chatml_turn_after_a_sampled_end_token_goes_on_with_the_templates_newline(
+        make_gateway, make_worker, policy):
+    """Issue 42 item 1 through the gateway: a `messages` turn after a reply that ended with the
+    template's end token (`<|im_end|>`) appends exactly what ChatML writes after it ("\n", then
+    the next message); after a reply cut by max_tokens, the whole closing. The instant engine's
+    samples are known in advance: a prompt is found whose one sampled token is `<|im_end|>`."""
+    from models import CHATML_TEMPLATE
+    from test_episodes import chat_tokenizer
+
+    tokenizer = chat_tokenizer(CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"])
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ended = next([k] for k in range(10**6) if expected_tokens(pack_tokens([k]), 0, 1, 32_000) == [end])
+    gw = await make_gateway(tokenizer=tokenizer)
+    make_worker()
+    await gw.live(policy)
+    base = f"/v1/policies/{policy}/episodes"
+    user = [{"role": "user", "content": "fine"}]
+    appended = {}
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
+        for name, prompt in (("ended", ended), ("cut", [ended[0] + 1])):
+            body = {"prompt": prompt, "sampling": {"max_tokens": 1}, "episode_id": name}
+            async with http.post(base, json=body) as r:
+                assert r.status == 201, await r.text()
+                [branch] = (await r.json())["episodes"]
+            assert (branch["tokens"] == [end]) == (name == "ended")
+            async with http.post(f"{base}/{name}.0/turns", json={"messages": user}) as r:
+                assert r.status == 200, await r.text()
+                turn = await r.json()
+            async with http.get(f"{base}/{name}.0") as r:
+                record = await r.json()
+            assert record["tokens"] == prompt + branch["tokens"] + turn["new_tokens"] + turn["tokens"]
+            appended[name] = tokenizer.decode(turn["new_tokens"])
+    assert appended["ended"] == "\n<|im_start|>user\nfine<|im_end|>\n<|im_start|>assistant\n"
+    assert appended["cut"] == "<|im_end|>" + appended["ended"]

@@ -46,7 +46,8 @@ async def test_a_four_turn_chat_episode_is_exact_where_re_rendering_is_not(
     news = [[{"role": "tool", "content": "w30 w31"}], [{"role": "user", "content": "w40"}],
             [{"role": "tool", "content": "w50 w51 w52"}]]
     for new_messages in news:
-        new = chat_continuation(tokenizer, new_messages, **THINKING)
+        # What the template writes after the reply's content, past its end token if it sampled it.
+        new = chat_continuation(tokenizer, new_messages, replies[-1], **THINKING)
         turn = await episodes.turn(first.episode_id, new)
         expected += new + turn.tokens
         replies.append(turn.tokens)

@@ -60,7 +60,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rollq.engine.chat import CONTINUATION_BASE
+from rollq.closing import MARKED_BASE, after_marker, closing_end, skip_sampled, special_ids
 from rollq.queue.connection import Backoff
 from rollq.queue.names import EpisodeField, EpisodeState, Reply
 from rollq.queue.scripts import Scripts
@@ -391,14 +391,23 @@ class Episodes:
 
     async def turn(self, episode_id: str, new_tokens: Sequence[int], *,
                    max_tokens: int | None = None, deadline_s: float | None = None,
-                   turn_id: str | None = None) -> Turn:
+                   turn_id: str | None = None, end_token_at: int | None = None) -> Turn:
         """Append `new_tokens` (a tool's output, a user message: not sampled, masked out) and
         sample the policy's reply from the exact token ids of everything before.
 
         `turn_id` (your name for this turn, e.g. an HTTP request's retry key): the turn sent again
         with it is not appended twice: while it runs, the call waits for it; once served (and
-        until the next turn is), it gets the same Turn back. Without it every call is a new turn."""
+        until the next turn is), it gets the same Turn back. Without it every call is a new turn.
+
+        `end_token_at`: `new_tokens` is a template's whole closing and continuation
+        (`chat_closing`) with its end-of-turn token there: when the episode's last token is that
+        token (the last reply ended with it), the ids up to and through it are not appended
+        (`Turn.new_tokens` says what was). The gateway's `messages` turns use it: the choice is
+        made against the record itself, as `chat_continuation(..., sampled)` makes it."""
         new_tokens = _token_ids("new_tokens", new_tokens)
+        if end_token_at is not None and not -1 <= end_token_at < len(new_tokens):
+            raise InvalidInput("end_token_at", f"is {end_token_at}; it must be an index of new_tokens "
+                                               f"(0..{len(new_tokens) - 1}) or -1")
         key = self._key(episode_id)
         await self._ready()
         job_id = _turn_job(episode_id, turn_id)
@@ -436,7 +445,10 @@ class Episodes:
         settings = msgspec.msgpack.decode(sampling, type=Sampling)
         if max_tokens is not None:
             settings = msgspec.structs.replace(settings, max_tokens=max_tokens)
-        prompt = unpack_tokens(tokens) + new_tokens
+        before = unpack_tokens(tokens)
+        if end_token_at is not None and before:
+            new_tokens = skip_sampled(before[-1], new_tokens, end_token_at)
+        prompt = before + new_tokens
         if settings.seed is not None:
             settings = msgspec.structs.replace(settings, seed=turn_seed(settings.seed, episode_id,
                                                                         len(prompt)))
@@ -715,29 +727,39 @@ class Episodes:
 
 
 def chat_continuation(tokenizer: Any, messages: Sequence[dict[str, Any]],
-                      **template_kwargs: Any) -> list[int]:
-    """The token ids a chat template puts after an assistant turn for `messages` (a tool's
-    output, a user message) and the next generation prompt: what a turn sends as new tokens.
+                      sampled: Sequence[int] | None = None, **template_kwargs: Any) -> list[int]:
+    """The token ids a chat template writes after an assistant message's content when `messages`
+    (a tool's output, a user message) follow it, with the next generation prompt: what a turn
+    sends as new tokens. `sampled`: the reply they follow (the last turn's `Turn.tokens`).
+
+    Read off the template itself (`rollq/closing.py`): `messages` rendered after a stand-in
+    assistant message whose content is a marker, and the text after the marker tokenized. It
+    starts with the template's closing of the reply (ChatML's `<|im_end|>\n`, Llama 3's
+    `<|eot_id|>`, Gemma's `<end_of_turn>\n`); a reply that ended with that end token (a stop token)
+    wrote it already, so with `sampled` the ids go on after it (ChatML: `\n<|im_start|>...`), and
+    a reply cut by max_tokens gets the whole closing. Without `sampled`, the whole closing (a
+    caller that passed none before got the continuation after the closing, a fixed stand-in's:
+    ChatML's lacked the `\n` after a sampled `<|im_end|>`). `Episodes.turn(..., end_token_at=)`
+    makes the same choice against the record itself (`chat_closing`).
 
     Earlier turns are never rendered again: a template may render them differently from how they
     were sampled (one that drops the thinking of earlier assistant turns would change tokens the
-    policy already produced). The continuation is `render(BASE + messages) - render(BASE)` with a
-    fixed stand-in BASE ending in an assistant message; it includes whatever the template closes
-    an assistant message with (e.g. its end-of-turn token: when a sample already ended with it, as a stop
-    token, drop it from the continuation).
+    policy already produced).
     """
-    base = list(CONTINUATION_BASE)
-    before = _ids(tokenizer.apply_chat_template(base, tokenize=True, add_generation_prompt=False,
-                                                **template_kwargs))
-    after = _ids(tokenizer.apply_chat_template(base + list(messages), tokenize=True,
-                                               add_generation_prompt=True, **template_kwargs))
-    if after[:len(before)] != before:
-        raise InvalidInput("messages", "the chat template renders a conversation differently once "
-                                       "messages follow it; its continuation is not well defined")
-    return after[len(before):]
+    after, end = chat_closing(tokenizer, messages, **template_kwargs)
+    return skip_sampled(sampled[-1], after, end) if sampled else after
 
 
-def _ids(rendered: Any) -> list[int]:
-    if hasattr(rendered, "keys"):  # transformers 5 returns a BatchEncoding
-        rendered = rendered["input_ids"]
-    return list(rendered)
+def chat_closing(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                 **template_kwargs: Any) -> tuple[list[int], int]:
+    """What the template writes after an assistant message's content when `messages` follow it
+    (closing, messages, generation prompt), as token ids, and where in them the closing's
+    end-of-turn token is (`closing.closing_end`: -1 when it has none to skip)."""
+    rendered = tokenizer.apply_chat_template([*MARKED_BASE, *messages], tokenize=False,
+                                             add_generation_prompt=True, **template_kwargs)
+    text = after_marker(rendered)
+    if text is None:
+        raise InvalidInput("messages", "the chat template does not write an assistant message's content "
+                                       "as it is given; the text it puts after a reply is not well defined")
+    after = list(tokenizer.encode(text, add_special_tokens=False))
+    return after, closing_end(after, tokenizer, special_ids(tokenizer))

@@ -18,6 +18,7 @@ import asyncio
 import logging
 from typing import Any
 
+from rollq.closing import MARKED_BASE, after_end, after_marker, special_ids
 from rollq.engine.base import GroupError
 import msgspec
 
@@ -25,13 +26,6 @@ from rollq.protocol import Chat, InvalidInput, Sample, unpack_tokens
 
 log = logging.getLogger("rollq.engine.chat")
 
-CONTINUATION_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
-"""A conversation that new messages of a turn follow (they come after the policy's reply):
-`rollq.client.episodes.chat_continuation` renders new messages after it."""
-MARKER = "rollq-end-of-content-7e1f"
-"""The content of the stand-in assistant message `ChatRenderer.exact` renders new messages after:
-what the template writes after it is what follows an assistant message's content."""
-MARKED_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": MARKER})
 
 
 class ChatRenderer:
@@ -91,7 +85,7 @@ class ChatRenderer:
         first differs from it (-1: nowhere, the same ids).
 
         What the template writes there is read off the template itself, never assumed: the new
-        messages rendered after a stand-in assistant message whose content is `MARKER`, by vLLM's
+        messages rendered after a stand-in assistant message whose content is `closing.MARKER`, by vLLM's
         renderer with the conversation's own tools, template and kwargs; the text after the marker
         is the message's closing (ChatML's `<|im_end|>\n`, Llama 3's `<|eot_id|>`, Gemma's
         `<end_of_turn>\n`), the new messages and the generation prompt. A prefix that ends with a
@@ -101,12 +95,12 @@ class ChatRenderer:
         plain = msgspec.structs.replace(chat, prefix_tokens=b"", prefix_messages=0)
         rendered, _ = await self.render(msgspec.structs.replace(
             plain, messages=[*MARKED_BASE, *chat.messages[chat.prefix_messages:]]), max_tokens)
-        text = rendered.get("prompt")
-        if not isinstance(text, str) or text.count(MARKER) != 1:
+        text = after_marker(rendered.get("prompt"))
+        if text is None:
             raise GroupError("the chat template does not write an assistant message's content as it is "
                              "given; the text it puts after the message is not well defined")
         tokenizer = self._llm.renderer.tokenizer
-        after = list(tokenizer.encode(text[text.index(MARKER) + len(MARKER):], add_special_tokens=False))
+        after = list(tokenizer.encode(text, add_special_tokens=False))
         prefix = unpack_tokens(chat.prefix_tokens)
         if self._special is None:
             self._special = special_ids(tokenizer)
@@ -167,29 +161,6 @@ def _message(parser: Any, request: Any, sample: Sample, auto_tools: bool):
     if request.parallel_tool_calls is False:  # vLLM's maybe_filter_parallel_tool_calls
         calls = calls[:1]
     return content, reasoning, calls
-
-
-def after_end(last: int, after: list[int], tokenizer: Any, special: set[int]) -> list[int]:
-    """`after` (what the template writes after an assistant message's content) past the end token
-    a sample ended with (`last`): a special token the closing writes first, or after whitespace (a
-    template that writes "\n" then its end token), was sampled there and is not written twice.
-    Anything else (a sample cut by max_tokens or a stop string, or whose end token is not the one
-    the template closes with) is followed by the whole closing."""
-    if last not in special:
-        return after
-    for i, token in enumerate(after):
-        if token == last:
-            return after[i + 1:]
-        if token in special or tokenizer.decode([token]).strip():
-            break
-    return after
-
-
-def special_ids(tokenizer: Any) -> set[int]:
-    """Its special tokens: the named ones (eos, ...) and the added tokens marked special (ChatML's
-    `<|im_end|>`, which many tokenizers do not name)."""
-    added = getattr(tokenizer, "added_tokens_decoder", {})
-    return set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

@@ -2,9 +2,10 @@
 Python client uses, one per (policy, trainer) in this gateway.
 
 A turn sends `tokens` (ids to append) or `messages` (a tool's output, a user message), which
-need the gateway's `--tokenizer`: they become the template's continuation after the last reply
-(`rollq.client.episodes.chat_continuation`), never a re-rendering of earlier turns. The first turn's
-`messages` are rendered whole (with the generation prompt).
+need the gateway's `--tokenizer`: they become exactly what the template writes after the last
+reply's content (`rollq.client.episodes.chat_closing`), past the end-of-turn token when the reply
+ended with it (`Episodes.turn(end_token_at=)`), never a re-rendering of earlier turns. The first
+turn's `messages` are rendered whole (with the generation prompt).
 
 Each Episodes here has the owner `--gateway-id`, and holds it (one live reader per owner): a
 second gateway with the same id is refused (409, reason `owner`). A gateway restarted with the
@@ -192,13 +193,14 @@ async def _take_over(app: web.Application) -> None:
 
 
 async def _tokens(gw: Gateway, tokens: list[int] | None, messages: list[dict[str, Any]] | None,
-                  kwargs: dict[str, Any], first: bool) -> list[int]:
+                  kwargs: dict[str, Any], first: bool) -> tuple[list[int], int | None]:
     """Token ids, or `messages` rendered by the gateway's render helpers (gateway/render.py:
-    capped, off the loop, the caller's template refused unless trusted)."""
+    capped, off the loop, the caller's template refused unless trusted); with where a later
+    turn's rendering has its end-of-turn token (None for ids and first turns)."""
     if (tokens is None) == (messages is None):
         raise InvalidInput("messages", "give token ids or messages, one of the two")
     if messages is None:
-        return tokens
+        return tokens, None
     return await gw.render.chat(messages, kwargs, first, gw.settings.trust_request_chat_template)
 
 
@@ -212,7 +214,7 @@ async def _guarded(episode_id: str, call):
 async def start_episode(request: web.Request) -> web.Response:
     gw, episodes = _episodes(request)
     body = await read_body(request, EpisodeStartRequest)
-    prompt = await _tokens(gw, body.prompt, body.messages, body.chat_template_kwargs, first=True)
+    prompt, _ = await _tokens(gw, body.prompt, body.messages, body.chat_template_kwargs, first=True)
     await _served(gw, episodes.keys.policy)
     await _remember(gw, episodes.keys.policy, episodes.trainer)
     turns = await _guarded(body.episode_id or "", episodes.start(
@@ -225,11 +227,12 @@ async def episode_turn(request: web.Request) -> web.Response:
     gw, episodes = _episodes(request)
     episode_id = request.match_info["episode_id"]
     body = await read_body(request, EpisodeTurnRequest)
-    new = await _tokens(gw, body.tokens, body.messages, body.chat_template_kwargs, first=False)
+    new, end = await _tokens(gw, body.tokens, body.messages, body.chat_template_kwargs, first=False)
     await _served(gw, episodes.keys.policy)
     await _remember(gw, episodes.keys.policy, episodes.trainer)
     turn = await _guarded(episode_id, episodes.turn(episode_id, new, max_tokens=body.max_tokens,
-                                                    deadline_s=body.deadline_s, turn_id=body.turn_id))
+                                                    deadline_s=body.deadline_s, turn_id=body.turn_id,
+                                                    end_token_at=end))
     return reply(request, turn_view(turn))
 
 

@@ -164,7 +164,7 @@ def _start_helper(tokenizer_dir: str, fast: bool) -> None:
 def _render(kind: str, args: tuple) -> tuple[str, Any]:
     """In a helper: ("", token ids (or a decode's text, or a tokenize's [ids, token strings])),
     or (the refusal's message, [])."""
-    from rollq.client.episodes import chat_continuation  # imported by _start_helper
+    from rollq.client.episodes import chat_closing  # imported by _start_helper
 
     signal.setitimer(signal.ITIMER_REAL, RENDER_TIMEOUT_S)
     try:
@@ -181,8 +181,8 @@ def _render(kind: str, args: tuple) -> tuple[str, Any]:
             ids = [int(t) for t in ids]  # a kwarg such as return_tensors makes other types
             return "", [ids, _tokenizer.convert_ids_to_tokens(ids) if strs else None]
         messages, kwargs = args
-        if kind == "continuation":
-            return "", chat_continuation(_tokenizer, messages, **kwargs)
+        if kind == "continuation":  # [ids, where its end-of-turn token is]
+            return "", list(chat_closing(_tokenizer, messages, **kwargs))
         rendered = _tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                   return_dict=False, **kwargs)
         return "", list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
@@ -291,13 +291,18 @@ class RenderWorkers:
         return ids
 
     async def chat(self, messages: list[dict[str, Any]], kwargs: dict[str, Any], first: bool,
-                   trusted: bool) -> list[int]:
+                   trusted: bool) -> tuple[list[int], int | None]:
         """An episode's messages as token ids: rendered whole with the generation prompt
-        (`first`), else the template's continuation after the last reply."""
+        (`first`; None), else what the template writes after the last reply's content and where
+        its end-of-turn token is in it (`chat_closing`: the turn skips through it when the reply
+        ended with it, `Episodes.turn(end_token_at=)`)."""
         check_text(messages, "messages")
         check_tree(kwargs, "chat_template_kwargs")
         refuse_template(trusted, kwargs)
-        return await self.run("messages", "chat" if first else "continuation", messages, kwargs)
+        if first:
+            return await self.run("messages", "chat", messages, kwargs), None
+        ids, end = await self.run("messages", "continuation", messages, kwargs)
+        return ids, end
 
     async def tokenize(self, prompt: str | list[dict[str, Any]], kwargs: dict[str, Any], strs: bool,
                        trusted: bool) -> tuple[list[int], list[str] | None]:
