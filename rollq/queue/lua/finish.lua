@@ -208,6 +208,19 @@ chunked(clean, function(first, last)
   redis.call('HDEL', KEYS[1], unpack(clean_ids, first, last))
 end)
 
+-- A job of more than many_groups groups gets its done hash as a hash table from its first marker:
+-- a listpack (how Redis keeps a small hash: up to hash-max-listpack-entries fields, 512 here)
+-- looks a field up by walking it, twice per HSETNX, and a job's 513th marker cost ~90k
+-- instructions against ~8k in a hash table (callgrind; docs/benchmarks.md, "Issue 43,
+-- dispatch"). A value longer than hash-max-listpack-value (64 by default) converts it.
+local many_groups = 128
+local function as_table(job, done)
+  if redis.call('EXISTS', done) == 0
+      and (tonumber(redis.call('HGET', job, JOB_GROUPS)) or 0) > many_groups then
+    redis.call('HSET', done, DONE_ENCODING, DONE_TABLE)
+  end
+end
+
 -- Pass 3. Returns REPLY_DUP or false (write the result), and the entry's job when the result
 -- waits for the job to count it.
 local jobs, job_order = {}, {}
@@ -228,6 +241,7 @@ local function settle(e)
     jobs[job] = record
     if record then
       job_order[#job_order + 1] = record
+      as_table(job, done)
     end
   end
   if not record then
