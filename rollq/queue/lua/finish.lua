@@ -6,11 +6,12 @@
 --       streams, result streams, jobs, done hashes, outstanding-bytes counters)
 -- ARGV: consumer, job ttl (s), the entries as one msgpack array (Redis' cmsgpack unpacks it: one
 --       argument for the batch, where 12 per entry cost the worker more than the rest of a
---       no-op group), each entry an array of 12: the KEYS indices of its work stream, result
---       stream, job, done hash and outstanding-bytes counter (the raw item's bytes leave it with
---       the entry), then its entry id, group index ('' when unknown), status, result payload,
---       dead-letter reason ('' for none), the raw item's size in bytes, the raw item (kept in the
---       dead letter; '' when there is none: only its size travels)
+--       no-op group), the key sets as another; each key set the KEYS indices of a work stream,
+--       result stream, job, done hash and outstanding-bytes counter (the raw item's bytes leave
+--       it with the entry); each entry an array: its key set's index, entry id, group index (''
+--       when unknown), status, result payload, the raw item's size in bytes, and only for a dead
+--       letter its reason and the raw item (kept in the dead letter). Unpacking cost Redis per
+--       element: an entry's keys are one index, and an entry without a dead letter stops early.
 -- Returns per entry REPLY_OK, REPLY_DUP (the group already had its result: entry dropped) or
 -- REPLY_LOST (not ours).
 --
@@ -25,7 +26,7 @@
 -- An error (a key of the wrong type, a job record without `groups`) fails the entries it hits,
 -- as when every entry was a script call of its own; what was written before the error stays.
 local consumer = ARGV[1]
-local entries = cmsgpack.unpack(ARGV[3])
+local entries, sets = cmsgpack.unpack(ARGV[3]), cmsgpack.unpack(ARGV[4])
 
 local function as_reply(ok, reply)
   if not ok and not reply.err then
@@ -51,22 +52,23 @@ end
 
 local ranges, order = {}, {}
 for _, e in ipairs(entries) do
-  local r = ranges[e[1]]
+  local k = sets[e[1]][1]
+  local r = ranges[k]
   if r == nil then
     r = {n = 0}
-    ranges[e[1]] = r
-    order[#order + 1] = e[1]
+    ranges[k] = r
+    order[#order + 1] = k
   end
   if r.n >= 0 then
-    local ms, seq = id_parts(e[6])
+    local ms, seq = id_parts(e[2])
     if ms == nil or seq == nil then
       r.n = -1
     else
       if r.n == 0 or before(ms, seq, r.lo_ms, r.lo_seq) then
-        r.lo_ms, r.lo_seq, r.lo = ms, seq, e[6]
+        r.lo_ms, r.lo_seq, r.lo = ms, seq, e[2]
       end
       if r.n == 0 or before(r.hi_ms, r.hi_seq, ms, seq) then
-        r.hi_ms, r.hi_seq, r.hi = ms, seq, e[6]
+        r.hi_ms, r.hi_seq, r.hi = ms, seq, e[2]
       end
       r.n = r.n + 1
     end
@@ -116,16 +118,17 @@ end
 local settled, waiting = {}, {}
 local passed = {}  -- per stream key index: the entries (indices) that are ours, in order
 for i, e in ipairs(entries) do
-  local ok, yes = pcall(ours, e[1], KEYS[e[1]], e[6])
+  local k = sets[e[1]][1]
+  local ok, yes = pcall(ours, k, KEYS[k], e[2])
   if not ok then
     settled[i] = as_reply(ok, yes)
   elseif not yes then
     settled[i] = REPLY_LOST
   else
-    local list = passed[e[1]]
+    local list = passed[k]
     if list == nil then
       list = {}
-      passed[e[1]] = list
+      passed[k] = list
     end
     list[#list + 1] = i
   end
@@ -157,7 +160,7 @@ end
 local acked = {}
 for _, k in ipairs(order) do
   local list = passed[k] or {}
-  local ids = field(list, 6)
+  local ids = field(list, 2)
   chunked(list, function(first, last)
     redis.call('XACK', KEYS[k], GROUP_WORKERS, unpack(ids, first, last))
     redis.call('XDEL', KEYS[k], unpack(ids, first, last))
@@ -172,13 +175,13 @@ table.sort(acked)  -- back in batch order: what follows runs per entry as before
 
 local by_counter, counter_order = {}, {}
 for _, i in ipairs(acked) do
-  local k = entries[i][5]
+  local k = sets[entries[i][1]][5]
   if by_counter[k] == nil then
     by_counter[k] = {n = 0, list = {}}
     counter_order[#counter_order + 1] = k
   end
   local c = by_counter[k]
-  c.n = c.n + entries[i][11]
+  c.n = c.n + entries[i][6]
   c.list[#c.list + 1] = i
 end
 local function decrement(k, n)
@@ -203,7 +206,7 @@ for _, i in ipairs(acked) do
     clean[#clean + 1] = i
   end
 end
-local clean_ids = field(clean, 6)
+local clean_ids = field(clean, 2)
 chunked(clean, function(first, last)
   redis.call('HDEL', KEYS[1], unpack(clean_ids, first, last))
 end)
@@ -225,11 +228,12 @@ end
 -- waits for the job to count it.
 local jobs, job_order = {}, {}
 local function settle(e)
-  local stream, job, done = KEYS[e[1]], KEYS[e[3]], KEYS[e[4]]
-  local id, group, status, reason = e[6], e[7], e[8], e[10]
-  if reason ~= '' then
+  local ks = sets[e[1]]
+  local stream, job, done = KEYS[ks[1]], KEYS[ks[3]], KEYS[ks[4]]
+  local id, group, status, reason = e[2], e[3], e[4], e[7]
+  if reason then
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', 100000, '*', DEAD_STREAM, stream, DEAD_ID, id,
-      DEAD_REASON, reason, DEAD_ITEM, e[12])
+      DEAD_REASON, reason, DEAD_ITEM, e[8])
   end
   if group == '' then
     return false, nil
@@ -308,13 +312,14 @@ local replies, written = {}, {}
 for i, e in ipairs(entries) do
   local reply, record = settled[i], waiting[i]
   if record then
-    reply = record.failed[e[8]] or record.error or false
+    reply = record.failed[e[4]] or record.error or false
   end
   if reply == false then
-    local ok, err = pcall(redis.call, 'XADD', KEYS[e[2]], '*', RESULT_RESULT, e[9])
+    local results = sets[e[1]][2]
+    local ok, err = pcall(redis.call, 'XADD', KEYS[results], '*', RESULT_RESULT, e[5])
     reply = ok and REPLY_OK or as_reply(ok, err)
     if ok then
-      written[e[2]] = (written[e[2]] or 0) + 1
+      written[results] = (written[results] or 0) + 1
     end
   end
   replies[i] = reply
