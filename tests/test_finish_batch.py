@@ -9,7 +9,7 @@ from redis.exceptions import ResponseError
 from rollq.engine.instant import InstantEngine
 from rollq.protocol import GroupResult, encode
 from rollq.queue.keys import Keys
-from rollq.queue.names import Group, JobState
+from rollq.queue.names import DoneField, Group, JobState
 from rollq.queue.work import WorkQueue
 from rollq.worker.loop import Worker
 from rollq.worker.limits import Limits
@@ -154,6 +154,34 @@ async def test_a_job_completed_within_one_batch_is_counted_as_one_by_one(redis, 
     assert 0 < await redis.ttl(keys.done("trainer", claimed[0].job_id)) <= 600
     assert await redis.hgetall(keys.done("trainer", claimed[0].job_id)) == {
         str(c.group_index).encode(): s.encode() for c, s in zip(claimed, statuses)}
+
+
+async def test_a_large_jobs_done_markers_are_a_hash_table_and_still_fence(redis, policy, make_client):
+    """A job of more than 128 groups keeps its done markers in a hash table from the first one
+    (a listpack's lookups cost O(groups) per marker; issue 43): the markers and exactly-once
+    hold as before, a second entry for a finished group is a DUP; small jobs keep a listpack."""
+    client = make_client()
+    await client.submit([[i + 1] for i in range(200)], n=1)
+    keys = Keys(policy)
+    queue = WorkQueue(redis, keys, "w1", job_ttl_s=600)
+    claimed = await queue.claim(await queue.streams(), 4)
+    assert await _finish_together(queue, claimed) == ["ok"] * 4
+    done = keys.done("trainer", claimed[0].job_id)
+    assert await redis.object("encoding", done) == b"hashtable"
+    assert await redis.hgetall(done) == {str(c.group_index).encode(): b"ok" for c in claimed} | {
+        DoneField.ENCODING.encode(): DoneField.TABLE.encode()}
+    again = claimed[0]  # a second entry for a group that has its result (as a duplicate would be)
+    await redis.xadd(again.stream, {"j": again.job_id, "g": again.group_index, "d": again.data})
+    *_, copy = await queue.claim(await queue.streams(), 300)  # the other 196, then the copy
+    assert copy.group_index == again.group_index and copy.entry_id != again.entry_id
+    assert await _finish_together(queue, [copy]) == ["dup"]
+    assert len(await client.take(10, timeout_s=1)) == 4
+    status = await client.status(again.job_id)
+    assert (status.done, status.ok) == (4, 4)
+    await client.submit([[1], [2]], n=1)
+    small = await queue.claim(await queue.streams(), 2)
+    assert await _finish_together(queue, small) == ["ok", "ok"]
+    assert await redis.object("encoding", keys.done("trainer", small[0].job_id)) == b"listpack"
 
 
 async def test_a_job_record_without_groups_fails_its_entries_alone(redis, policy, make_client):

@@ -66,6 +66,15 @@ class TallyField(StrEnum):
     """The encoded `scoring.records.Tally`."""
 
 
+class DoneField(StrEnum):
+    """A job's done hash holds group index -> status; a job of many groups also `ENCODING`."""
+
+    ENCODING = "encoding"
+    """Its value, `TABLE`, is longer than a listpack's values may be (`finish.lua`): the hash is a
+    hash table from its first marker, where a listpack's lookups cost O(groups) per marker."""
+    TABLE = "a_hash_table_from_the_first_marker_where_a_listpack_costs_o_of_groups_per_marker"
+
+
 class JobState(StrEnum):
     """The `state` field of a job record."""
 
@@ -223,7 +232,7 @@ class Reply(StrEnum):
 LUA_PREFIXES: dict[str, type[StrEnum]] = {
     "GROUP": Group, "WORK": WorkField, "RESULT": ResultField, "DEAD": DeadField, "EVENT": EventField,
     "STATE": JobState, "JOB": JobField, "REPLY": Reply, "EPISODE": EpisodeField,
-    "EPISODE_IS": EpisodeState, "CONVERSATION": ConversationField,
+    "EPISODE_IS": EpisodeState, "CONVERSATION": ConversationField, "DONE": DoneField,
 }
 """Lua name of a member: `<prefix>_<member>`, e.g. `JOB_STATE`, `STATE_PENDING`, `GROUP_WORKERS`."""
 

@@ -4,12 +4,17 @@
 -- Per id: only an entry XACK took out of the pending list is deleted and leaves the quota. An id
 -- that was never read (or was acked already) is left alone; deleting it would lose its result and
 -- leak its quota, since nobody could read it again to acknowledge it.
-local acked = 0
+local taken = {}
 for _, id in ipairs(ARGV) do
   if redis.call('XACK', KEYS[1], GROUP_TRAINER, id) == 1 then
-    redis.call('XDEL', KEYS[1], id)
-    acked = acked + 1
+    taken[#taken + 1] = id
   end
+end
+-- One XDEL for them all: one per id cost Redis twice as much per entry (docs/benchmarks.md,
+-- "Issue 43, dispatch"). At most ACK_CHUNK ids a call, within Lua's unpack limit.
+local acked = #taken
+if acked > 0 then
+  redis.call('XDEL', KEYS[1], unpack(taken))
 end
 for k = 2, #KEYS do
   if acked > 0 and redis.call('DECRBY', KEYS[k], acked) < 0 then

@@ -6,23 +6,27 @@
 --       streams, result streams, jobs, done hashes, outstanding-bytes counters)
 -- ARGV: consumer, job ttl (s), the entries as one msgpack array (Redis' cmsgpack unpacks it: one
 --       argument for the batch, where 12 per entry cost the worker more than the rest of a
---       no-op group), each entry an array of 12: the KEYS indices of its work stream, result
---       stream, job, done hash and outstanding-bytes counter (the raw item's bytes leave it with
---       the entry), then its entry id, group index ('' when unknown), status, result payload,
---       dead-letter reason ('' for none), the raw item's size in bytes, the raw item (kept in the
---       dead letter; '' when there is none: only its size travels)
+--       no-op group), the key sets as another; each key set the KEYS indices of a work stream,
+--       result stream, job, done hash and outstanding-bytes counter (the raw item's bytes leave
+--       it with the entry); each entry an array: its key set's index, entry id, group index (''
+--       when unknown), status, result payload, the raw item's size in bytes, and only for a dead
+--       letter its reason and the raw item (kept in the dead letter). Unpacking cost Redis per
+--       element: an entry's keys are one index, and an entry without a dead letter stops early.
 -- Returns per entry REPLY_OK, REPLY_DUP (the group already had its result: entry dropped) or
 -- REPLY_LOST (not ours).
 --
--- In three passes, which leave what finishing the entries one by one would (measured: redis.call
--- costs more than the command it runs, and per entry this script ran eleven):
--- 1. per entry: fencing, XACK + XDEL, bytes, its error, its dead letter, its done marker;
--- 2. per job: the counters of its entries that passed 1, and whether the job is complete;
--- 3. per entry, in order: the result, for entries that passed 1 and whose job counted them.
+-- In passes, which leave what finishing the entries one by one would (measured: redis.call
+-- costs more than the command it runs, and per entry this script ran eleven, then six):
+-- 1. per entry: fencing (reads only);
+-- 2. per stream, per counter, per batch: XACK + XDEL of the stream's entries that passed 1 in one
+--    call each, their bytes off each counter in one DECRBY, their errors in one HDEL;
+-- 3. per entry: its dead letter, its done marker;
+-- 4. per job: the counters of its entries that passed 3, and whether the job is complete;
+-- 5. per entry, in order: the result, for entries that passed 3 and whose job counted them.
 -- An error (a key of the wrong type, a job record without `groups`) fails the entries it hits,
 -- as when every entry was a script call of its own; what was written before the error stays.
 local consumer = ARGV[1]
-local entries = cmsgpack.unpack(ARGV[3])
+local entries, sets = cmsgpack.unpack(ARGV[3]), cmsgpack.unpack(ARGV[4])
 
 local function as_reply(ok, reply)
   if not ok and not reply.err then
@@ -48,22 +52,23 @@ end
 
 local ranges, order = {}, {}
 for _, e in ipairs(entries) do
-  local r = ranges[e[1]]
+  local k = sets[e[1]][1]
+  local r = ranges[k]
   if r == nil then
     r = {n = 0}
-    ranges[e[1]] = r
-    order[#order + 1] = e[1]
+    ranges[k] = r
+    order[#order + 1] = k
   end
   if r.n >= 0 then
-    local ms, seq = id_parts(e[6])
+    local ms, seq = id_parts(e[2])
     if ms == nil or seq == nil then
       r.n = -1
     else
       if r.n == 0 or before(ms, seq, r.lo_ms, r.lo_seq) then
-        r.lo_ms, r.lo_seq, r.lo = ms, seq, e[6]
+        r.lo_ms, r.lo_seq, r.lo = ms, seq, e[2]
       end
       if r.n == 0 or before(r.hi_ms, r.hi_seq, ms, seq) then
-        r.hi_ms, r.hi_seq, r.hi = ms, seq, e[6]
+        r.hi_ms, r.hi_seq, r.hi = ms, seq, e[2]
       end
       r.n = r.n + 1
     end
@@ -87,38 +92,149 @@ for _, k in ipairs(order) do
   end
 end
 
+local taken = {}  -- per stream: ids that passed fencing in this batch (a second result is not ours)
 local function ours(k, stream, id)
+  local seen = taken[k]
+  if seen == nil then
+    seen = {}
+    taken[k] = seen
+  end
+  if seen[id] then
+    return false
+  end
   local mine = owned[k]
+  local yes
   if mine == nil then
     local pending = redis.call('XPENDING', stream, GROUP_WORKERS, id, id, 1)
-    return #pending > 0 and pending[1][2] == consumer
+    yes = #pending > 0 and pending[1][2] == consumer
+  else
+    yes = mine[id] == true
   end
-  if mine[id] then
-    mine[id] = nil  -- acknowledged below: a second result for it in this batch is not ours
-    return true
-  end
-  return false
+  seen[id] = yes
+  return yes
 end
 
--- Pass 1. Returns REPLY_LOST, REPLY_DUP or false (write the result), and the entry's job when the
--- result waits for the job to count it.
+-- Pass 1. settled[i]: REPLY_LOST or an error (the entry is done with), else nil.
+local settled, waiting = {}, {}
+local passed = {}  -- per stream key index: the entries (indices) that are ours, in order
+for i, e in ipairs(entries) do
+  local k = sets[e[1]][1]
+  local ok, yes = pcall(ours, k, KEYS[k], e[2])
+  if not ok then
+    settled[i] = as_reply(ok, yes)
+  elseif not yes then
+    settled[i] = REPLY_LOST
+  else
+    local list = passed[k]
+    if list == nil then
+      list = {}
+      passed[k] = list
+    end
+    list[#list + 1] = i
+  end
+end
+
+-- Pass 2. `fn(first, last)` over the list in chunks (Lua's unpack has a stack limit); an error
+-- fails the entries of the chunk it hit, as it would each of them alone.
+local function chunked(list, fn)
+  for first = 1, #list, 500 do
+    local last = math.min(first + 499, #list)
+    local ok, err = pcall(fn, first, last)
+    if not ok then
+      for j = first, last do
+        settled[list[j]] = as_reply(ok, err)
+      end
+    end
+  end
+end
+
+local function field(list, n)
+  local out = {}
+  for j, i in ipairs(list) do
+    out[j] = entries[i][n]
+  end
+  return out
+end
+
+-- Consumed entries are deleted rather than trimmed: nothing pending is ever cut away.
+local acked = {}
+for _, k in ipairs(order) do
+  local list = passed[k] or {}
+  local ids = field(list, 2)
+  chunked(list, function(first, last)
+    redis.call('XACK', KEYS[k], GROUP_WORKERS, unpack(ids, first, last))
+    redis.call('XDEL', KEYS[k], unpack(ids, first, last))
+  end)
+  for _, i in ipairs(list) do
+    if not settled[i] then
+      acked[#acked + 1] = i
+    end
+  end
+end
+table.sort(acked)  -- back in batch order: what follows runs per entry as before
+
+local by_counter, counter_order = {}, {}
+for _, i in ipairs(acked) do
+  local k = sets[entries[i][1]][5]
+  if by_counter[k] == nil then
+    by_counter[k] = {n = 0, list = {}}
+    counter_order[#counter_order + 1] = k
+  end
+  local c = by_counter[k]
+  c.n = c.n + entries[i][6]
+  c.list[#c.list + 1] = i
+end
+local function decrement(k, n)
+  -- (clamped once: as clamping after each entry's share, since every share is >= 0)
+  if redis.call('DECRBY', KEYS[k], n) < 0 then
+    redis.call('SET', KEYS[k], 0)
+  end
+end
+for _, k in ipairs(counter_order) do
+  local c = by_counter[k]
+  local ok, err = pcall(decrement, k, c.n)
+  if not ok then
+    for _, i in ipairs(c.list) do
+      settled[i] = as_reply(ok, err)
+    end
+  end
+end
+
+local clean = {}
+for _, i in ipairs(acked) do
+  if not settled[i] then
+    clean[#clean + 1] = i
+  end
+end
+local clean_ids = field(clean, 2)
+chunked(clean, function(first, last)
+  redis.call('HDEL', KEYS[1], unpack(clean_ids, first, last))
+end)
+
+-- A job of more than many_groups groups gets its done hash as a hash table from its first marker:
+-- a listpack (how Redis keeps a small hash: up to hash-max-listpack-entries fields, 512 here)
+-- looks a field up by walking it, twice per HSETNX: a job's 385th to 512th markers cost ~93k
+-- instructions each against ~8k in a hash table (callgrind; docs/benchmarks.md, "Issue 43,
+-- dispatch"). A value longer than hash-max-listpack-value (64 by default) converts it. Only a
+-- matter of speed: an error here changes nothing for the entry (the marker's HSETNX decides).
+local many_groups = 128
+local function as_table(job, done)
+  if redis.call('EXISTS', done) == 0
+      and (tonumber(redis.call('HGET', job, JOB_GROUPS)) or 0) > many_groups then
+    redis.call('HSET', done, DONE_ENCODING, DONE_TABLE)
+  end
+end
+
+-- Pass 3. Returns REPLY_DUP or false (write the result), and the entry's job when the result
+-- waits for the job to count it.
 local jobs, job_order = {}, {}
 local function settle(e)
-  local stream, job, done, nbytes = KEYS[e[1]], KEYS[e[3]], KEYS[e[4]], KEYS[e[5]]
-  local id, group, status, reason = e[6], e[7], e[8], e[10]
-  if not ours(e[1], stream, id) then
-    return REPLY_LOST
-  end
-  redis.call('XACK', stream, GROUP_WORKERS, id)
-  -- Consumed entries are deleted rather than trimmed: nothing pending is ever cut away.
-  redis.call('XDEL', stream, id)
-  if redis.call('DECRBY', nbytes, e[11]) < 0 then
-    redis.call('SET', nbytes, 0)
-  end
-  redis.call('HDEL', KEYS[1], id)
-  if reason ~= '' then
+  local ks = sets[e[1]]
+  local stream, job, done = KEYS[ks[1]], KEYS[ks[3]], KEYS[ks[4]]
+  local id, group, status, reason = e[2], e[3], e[4], e[7]
+  if reason then
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', 100000, '*', DEAD_STREAM, stream, DEAD_ID, id,
-      DEAD_REASON, reason, DEAD_ITEM, e[12])
+      DEAD_REASON, reason, DEAD_ITEM, e[8])
   end
   if group == '' then
     return false, nil
@@ -130,6 +246,7 @@ local function settle(e)
     jobs[job] = record
     if record then
       job_order[#job_order + 1] = record
+      pcall(as_table, job, done)
     end
   end
   if not record then
@@ -146,13 +263,14 @@ local function settle(e)
   return false, record
 end
 
-local settled, waiting = {}, {}
-for i, e in ipairs(entries) do
-  local ok, reply, record = pcall(settle, e)
-  settled[i], waiting[i] = as_reply(ok, reply), record
+for _, i in ipairs(clean) do
+  if not settled[i] then
+    local ok, reply, record = pcall(settle, entries[i])
+    settled[i], waiting[i] = as_reply(ok, reply), record
+  end
 end
 
--- Pass 2: per status, its count and the job's done count (as each entry added its own); then,
+-- Pass 4: per status, its count and the job's done count (as each entry added its own); then,
 -- once, whether the job is complete.
 local function count(record, status, n)
   redis.call('HINCRBY', record.key, status, n)
@@ -192,18 +310,19 @@ for _, record in ipairs(job_order) do
   end
 end
 
--- Pass 3.
+-- Pass 5.
 local replies, written = {}, {}
 for i, e in ipairs(entries) do
   local reply, record = settled[i], waiting[i]
   if record then
-    reply = record.failed[e[8]] or record.error or false
+    reply = record.failed[e[4]] or record.error or false
   end
   if reply == false then
-    local ok, err = pcall(redis.call, 'XADD', KEYS[e[2]], '*', RESULT_RESULT, e[9])
+    local results = sets[e[1]][2]
+    local ok, err = pcall(redis.call, 'XADD', KEYS[results], '*', RESULT_RESULT, e[5])
     reply = ok and REPLY_OK or as_reply(ok, err)
     if ok then
-      written[e[2]] = (written[e[2]] or 0) + 1
+      written[results] = (written[results] or 0) + 1
     end
   end
   replies[i] = reply
