@@ -219,7 +219,7 @@ class Keys:
 
     def conversation_bytes(self, trainer: str) -> str:
         """Hash: each of a trainer's conversation records (its id) -> its bytes, and under
-        ":total" (not an id: ids have no colon) their sum."""
+        `ConversationBytesField.TOTAL` (":total", not an id: ids have no colon) their sum."""
         return f"{self._p}:conversation-bytes:{trainer}"
 
     def conversation(self, trainer: str, conversation_id: str) -> str:

@@ -204,6 +204,14 @@ class ConversationField(StrEnum):
     """...and the reply it was answered with (JSON): what a retry of it is answered with."""
 
 
+
+class ConversationBytesField(StrEnum):
+    """Fields of a trainer's conversation-record bytes (a hash: conversation id -> its record's
+    bytes; `keys.conversation_bytes`) that are not ids."""
+
+    TOTAL = ":total"
+    """The sum of the records' bytes (not an id: ids have no colon)."""
+
 STATUS_COUNTERS = tuple(JobField(s) for s in get_args(Status))
 """The job-record counter of each result status (a Status the record has no field for fails here,
 at import)."""
@@ -233,6 +241,7 @@ LUA_PREFIXES: dict[str, type[StrEnum]] = {
     "GROUP": Group, "WORK": WorkField, "RESULT": ResultField, "DEAD": DeadField, "EVENT": EventField,
     "STATE": JobState, "JOB": JobField, "REPLY": Reply, "EPISODE": EpisodeField,
     "EPISODE_IS": EpisodeState, "CONVERSATION": ConversationField, "DONE": DoneField,
+    "CONVERSATION_BYTES": ConversationBytesField,
 }
 """Lua name of a member: `<prefix>_<member>`, e.g. `JOB_STATE`, `STATE_PENDING`, `GROUP_WORKERS`."""
 

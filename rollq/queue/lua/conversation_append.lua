@@ -2,7 +2,7 @@
 -- budget for conversation records. Idempotent on the turn's job id: a turn sent again (its reply
 -- lost) is not appended twice.
 -- KEYS: the record, the trainer's holds (sorted set: conversation id -> expiry, unix s), their
---       bytes (hash: id -> the record's bytes, ':total' -> their sum).
+--       bytes (hash: id -> the record's bytes, CONVERSATION_BYTES_TOTAL -> their sum).
 -- ARGV: job id, the exact prefix's token count the turn's prompt begins with ('-1': it was
 --       rendered whole), prompt (int32), sampled tokens (int32), their logprobs (float32), their
 --       versions (int32), drift ('1' or '0'), the messages (msgpack), the turn (length-prefixed
@@ -28,7 +28,7 @@ if #expired > 0 then
     redis.call('HDEL', KEYS[3], gone)
   end
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  redis.call('HINCRBY', KEYS[3], ':total', -freed)
+  redis.call('HINCRBY', KEYS[3], CONVERSATION_BYTES_TOTAL, -freed)
 end
 local now_fields = redis.call('HMGET', KEYS[1], CONVERSATION_TOKENS, CONVERSATION_MASK, CONVERSATION_LOGPROBS,
   CONVERSATION_TOKEN_VERSIONS, CONVERSATION_SEGMENT_START, CONVERSATION_TURNS, CONVERSATION_DRIFT)
@@ -63,7 +63,7 @@ for i = 1, #fields do
   size = size + #fields[i]
 end
 local before = tonumber(redis.call('HGET', KEYS[3], id) or '0')
-local others = tonumber(redis.call('HGET', KEYS[3], ':total') or '0') - before
+local others = tonumber(redis.call('HGET', KEYS[3], CONVERSATION_BYTES_TOTAL) or '0') - before
 if others + size > budget then
   return {REPLY_BYTES, others, size}
 end
@@ -71,7 +71,7 @@ redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('ZADD', KEYS[2], now + ttl, id)
 redis.call('HSET', KEYS[3], id, size)
-redis.call('HINCRBY', KEYS[3], ':total', size - before)
+redis.call('HINCRBY', KEYS[3], CONVERSATION_BYTES_TOTAL, size - before)
 for k = 2, 3 do
   if redis.call('TTL', KEYS[k]) < ttl then
     redis.call('EXPIRE', KEYS[k], ttl)
