@@ -2,15 +2,21 @@
 """A worker whose engine runs 2 tensor-parallel ranks (vLLM's CPU build: each rank a process of
 its own, rollq's transfer engine registered in each by the plugin): it serves, swaps by files and
 takes a push, each time transformers' greedy tokens under the version it labels. One engine
-start (2 ranks: ~25 s quiet, minutes on a loaded 2-core box), one test."""
+start (2 ranks: ~25 s quiet, minutes on a loaded 2-core box), one test.
+
+Run by hand (`ROLLQ_LONG_TESTS=1`), not in CI: its two ranks take both of the CI machine's cores
+for ~40 s, which the suite's 20-minute budget did not have (passed in CI run 1 of session 17:
+37.7 s)."""
 
 import pytest
-from conftest import engine_flags
+from conftest import LONG, engine_flags
 from helpers import collect, wait_until
 from models import token_logprobs
 
 from swap_fixtures import (GREEDY, PROMPTS, Reference, engine_v1, follower,  # noqa: F401
                            publisher, versions)
+
+pytestmark = pytest.mark.skipif(not LONG, reason="ROLLQ_LONG_TESTS=1: two ranks take both cores")
 
 
 @pytest.fixture(scope="module")
