@@ -67,7 +67,19 @@ class Scorer:
 
     async def run(self) -> None:
         await self.pool.start()
-        await self._beat()
+        # A scorer (re)started while Redis is away waits for it, as a worker's claims do: `rollq
+        # chaos` restarts a killed scorer, and one that met a Redis restart here exited with 1.
+        backoff = Backoff(0.1, 2.0)
+        while True:
+            try:
+                await self._beat()
+                break
+            except RedisError as e:
+                if self._stopping.is_set():
+                    await self.pool.close()
+                    return
+                log.warning("first beat: redis unreachable (%s: %s); retrying", type(e).__name__, e)
+                await backoff.sleep()
         log.info("scorer %s offers %s", self.scorer_id,
                  ", ".join(f"{n} (v{r.spec.version})" for n, r in sorted(self.rewards.items())))
         feed = asyncio.create_task(self._feed_loop(), name="scorer-feed")
@@ -92,8 +104,10 @@ class Scorer:
                 await renew
             with contextlib.suppress(asyncio.CancelledError):
                 await tallying
-            await self.stats.add(self.redis, self.keys, time.time())
-            await records.remove(self.redis, self.keys, self.scorer_id)
+            # Redis may be away as it stops: the beat expires by its TTL, the tallies are lost.
+            with contextlib.suppress(RedisError):
+                await self.stats.add(self.redis, self.keys, time.time())
+                await records.remove(self.redis, self.keys, self.scorer_id)
             await self.pool.close()
 
     # --- claiming --------------------------------------------------------------------------
