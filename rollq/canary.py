@@ -127,6 +127,21 @@ class Verdict(msgspec.Struct, omit_defaults=True, gc=False):
                 f"position {self.worst[1]}")
 
 
+class CanaryCheck(msgspec.Struct, omit_defaults=True, gc=False):
+    """One check a worker ran, as its heartbeat reports it (`WorkerState.canaries`): which
+    version, what the engine held it against (`adapter`: an adapter version's check), the
+    verdict and when (the worker's wall clock)."""
+
+    version: int
+    verdict: Verdict
+    at: float
+    adapter: bool = False
+
+
+MAX_REPORTED_CHECKS = 4
+"""A heartbeat carries a worker's latest checks, this many at most (newest last)."""
+
+
 # --- The wire --------------------------------------------------------------------------------
 
 _decoder = msgspec.msgpack.Decoder(Canary)

@@ -10,6 +10,7 @@ import time
 import msgspec
 from redis.asyncio import Redis
 
+from rollq.canary import CanaryCheck
 from rollq.queue.keys import Keys
 
 LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, 64)
@@ -68,6 +69,8 @@ class WorkerState(msgspec.Struct, frozen=True):
     max_model_len: int | None = None
     """Its engine's context length (vLLM's `max_model_len`); None from an engine without one
     (the instant engine) or a worker that does not say."""
+    canaries: list[CanaryCheck] = []
+    """Its latest version canary checks (`rollq/canary.py`), accepted and refused, newest last."""
 
 
 async def live_workers(redis: Redis, keys: Keys) -> list[WorkerState]:
