@@ -127,6 +127,15 @@ class Verdict(msgspec.Struct, omit_defaults=True, gc=False):
                 f"position {self.worst[1]}")
 
 
+class CanaryRefused(Exception):
+    """A version refused by its canary: the engine serves its previous weights. `verdict`: the
+    figures (None: the engine could not score the canary at all, `reason` says why)."""
+
+    def __init__(self, version: int, verdict: Verdict | None, reason: str = ""):
+        self.version, self.verdict = version, verdict
+        super().__init__(f"version {version}: " + (verdict.describe() if verdict is not None else reason))
+
+
 class CanaryCheck(msgspec.Struct, omit_defaults=True, gc=False):
     """One check a worker ran, as its heartbeat reports it (`WorkerState.canaries`): which
     version, what the engine held it against (`adapter`: an adapter version's check), the
@@ -169,6 +178,12 @@ def decode_canary(data: bytes, field: str = "canary") -> Canary:
         raise InvalidInput(field, f"malformed: {e}") from None
     validate_canary(canary, field)
     return canary
+
+
+def canary_of(entry: Any) -> Canary | None:
+    """A registry entry's canary (`VersionEntry.canary`), decoded and checked (InvalidInput
+    names it), or None when it was published without one."""
+    return decode_canary(entry.canary, f"version {entry.version}'s canary") if entry.canary else None
 
 
 def validate_canary(canary: Canary, field: str = "canary") -> None:

@@ -188,7 +188,8 @@ async def _run_worker(s: WorkerSettings, vllm_settings: VLLMSettings | None, red
         w, follower = build_worker(s, redis, engine, max_inflight_seqs=seq_budget,
                                    base_schema=base_schema, stats=stats)
         if s.pin_version is not None:
-            await load_pinned(w.engine, w.registry, w.heartbeat, w.worker_id, s.pin_version, base_schema)
+            await load_pinned(w.engine, w.registry, w.heartbeat, w.worker_id, s.pin_version, base_schema,
+                              s.tolerance())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, w.stop)

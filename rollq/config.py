@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from rollq.canary import Tolerance
 from rollq.protocol import MAX_VERSION, InvalidInput, SwapMode, check_id
 from rollq.queue.connection import DEFAULT_URL
 
@@ -80,9 +81,28 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
     metrics_host: str = "127.0.0.1"
     """The address `/metrics` binds to."""
+    canary_tolerance: str | None = None
+    """Largest figures a version's canary may show and still serve: `MAX,MEAN,KL` (max and
+    mean |Δ logprob|, k3 KL) [default: by dtype, float32 1e-4,1e-5,1e-9; bf16/fp16 0.1,0.01,1e-4;
+    a publish may override it]."""
+
+    def tolerance(self) -> Tolerance | None:
+        """`canary_tolerance` parsed (None: the dtype's defaults)."""
+        if self.canary_tolerance is None:
+            return None
+        parts = self.canary_tolerance.split(",")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            values = []
+        if len(values) != 3 or not all(0 <= v < float("inf") for v in values):
+            raise InvalidInput("canary_tolerance", f"{self.canary_tolerance!r}: give three "
+                               "finite numbers >= 0, MAX,MEAN,KL (e.g. 1e-4,1e-5,1e-9)")
+        return Tolerance(*values)
 
     def validate(self) -> WorkerSettings:
         check_id("policy", self.policy)
+        self.tolerance()
         check_id("worker_id", self.worker_id)
         limits = {
             "max_inflight": (self.max_inflight or 1, 1, 100_000),

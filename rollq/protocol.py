@@ -487,6 +487,9 @@ class PushOffer(msgspec.Struct, **_WIRE):
     host: str
 
 
+_Bytes = bytes
+
+
 class VersionEntry(msgspec.Struct, **_WIRE):
     """A registered policy version: where its safetensors files are and what they must hash to."""
 
@@ -510,6 +513,10 @@ class VersionEntry(msgspec.Struct, **_WIRE):
     the fingerprint a worker checks what it received against before it serves it."""
     push: PushOffer | None = None
     """Where live workers can receive the tensors from, beside the files (`engine/pushes.py`)."""
+    canary: _Bytes = b""  # (`bytes` in this class is the field above)
+    """The version's canary, encoded (`rollq/canary.py`: sequences and the trainer's logprobs of
+    them under this version): a worker checks its engine against it before the version serves.
+    Empty: no check. Bounded by `MAX_CANARY_BYTES`, decoded and checked by the worker."""
 
 
 # One encoder and one decoder per type per process, reused (msgspec's advice).

@@ -15,6 +15,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from rollq.canary import Canary, encode_canary, reference
 from rollq.engine import pushes
 from rollq.protocol import InvalidInput, PushOffer, TensorDigest, Version, VersionEntry, typed
 from rollq.queue.keys import Keys
@@ -66,8 +67,11 @@ class Publisher:
             await asyncio.wait([self._publishing])
 
     async def publish(self, version: int, source: Any, *, copy: bool, keep: int | None, wait: bool,
-                      adapter_on: int | None, push: str | None = None):
+                      adapter_on: int | None, push: str | None = None,
+                      canary: Canary | bool | None = None):
         typed("version", version, Version)
+        # Computed (or checked) first: of the weights as they are now, before anything returns.
+        encoded = await self._canary(canary, source)
         if push is not None and (push not in pushes.TRANSPORTS or adapter_on is not None
                                  or isinstance(source, (str, os.PathLike))):
             raise InvalidInput("push", f"push={push!r}: a push takes one of {list(pushes.TRANSPORTS)}, "
@@ -89,12 +93,27 @@ class Publisher:
             # as the file; from here its optimizer may change them in place.
             source = await asyncio.to_thread(self._pack, source)
         task = asyncio.create_task(self._publish_in_turn(self._publishing, version, source, copy,
-                                                         keep, adapter_on, push))
+                                                         keep, adapter_on, push, encoded))
         self._publishing = task
         if wait:
             return await task
         task.add_done_callback(_log_failed_publish)
         return task
+
+    @staticmethod
+    async def _canary(canary: Canary | bool | None, source: Any) -> bytes:
+        if canary is None or canary is False:
+            return b""
+        if isinstance(canary, Canary):
+            return encode_canary(canary)
+        if canary is not True:
+            raise InvalidInput("canary", f"canary={canary!r}: give True (computed from the model) "
+                                         "or a rollq.canary.Canary")
+        if not callable(getattr(source, "forward", None)) or is_sharded(source):
+            raise InvalidInput("canary", "canary=True computes the reference with the model itself: "
+                                         "publish the (unsharded) model, or give a Canary made by "
+                                         "rollq.canary.reference(model, ...)")
+        return encode_canary(await asyncio.to_thread(reference, source))
 
     def _pack(self, source: Any):
         return self._staging.pack(named_tensors(source))  # (a PEFT model is merged first)
@@ -111,7 +130,8 @@ class Publisher:
 
     async def _publish_in_turn(self, previous: asyncio.Task | None, version: int, source: Any,
                                copy: bool, keep: int | None,
-                               adapter_on: int | None = None, push: str | None = None) -> VersionEntry:
+                               adapter_on: int | None = None, push: str | None = None,
+                               canary: bytes = b"") -> VersionEntry:
         if previous is not None:
             await asyncio.wait([previous])  # its outcome is its own caller's to see
         store = WeightStore(self.weight_store, durable=False)
@@ -136,7 +156,8 @@ class Publisher:
         try:
             entry = await commit_files(self.redis, self.keys, store, version, path, files, owned,
                                        publisher=self.trainer_id, keep=None, registry=self.registry,
-                                       adapter_on=adapter_on, tensors=offered[0], push=offered[1])
+                                       adapter_on=adapter_on, tensors=offered[0], push=offered[1],
+                                       canary=canary)
         except BaseException:
             if offered[1] is not None:  # never registered: nobody will read it
                 self._drop_segment(offered[1].address)

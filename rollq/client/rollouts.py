@@ -42,6 +42,7 @@ from rollq.protocol import (
     VersionWindow,
 )
 from rollq import conversations
+from rollq.canary import Canary
 from rollq import images as imaging
 from rollq.client.episodes import Episodes
 from rollq.client.publishing import Publisher
@@ -573,7 +574,8 @@ class RolloutClient:
 
     async def publish_weights(self, version: int, source: Any, *, copy: bool = True,
                               keep: int | None = None, wait: bool = True,
-                              adapter_on: int | None = None, push: str | None = None):
+                              adapter_on: int | None = None, push: str | None = None,
+                              canary: Canary | bool | None = None):
         """Register policy `version` (strictly above the newest); workers swap to it.
 
         `source`: a directory of safetensors files (copied into the weight store, or registered
@@ -607,9 +609,16 @@ class RolloutClient:
         engine receives pushes (on this machine, `engine/pushes.py`), which take them straight
         into vLLM and check each tensor's fingerprint in the entry; workers that miss the push
         load the files (docs/architecture.md, "GPU weight paths").
+
+        `canary`: the version's reference, which every worker checks its engine against before
+        the version serves there (`rollq/canary.py`; docs/architecture.md, "The version canary"):
+        `True` computes it from `source` (a transformers model, or a PEFT model for an adapter
+        version) on the default sequences, in the model's dtype, before this call returns; or a
+        `Canary` made by `rollq.canary.reference(model, sequences | texts=...)`. A worker whose
+        engine disagrees beyond its tolerance refuses the version and serves the previous one.
         """
         return await self._publisher.publish(version, source, copy=copy, keep=keep, wait=wait,
-                                             adapter_on=adapter_on, push=push)
+                                             adapter_on=adapter_on, push=push, canary=canary)
 
     async def latest_version(self) -> int | None:
         return await self.registry.latest()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from rollq.protocol import Sample, WorkItem
+
+if TYPE_CHECKING:
+    from rollq.canary import Canary, Tolerance
 
 
 class Generated(NamedTuple):
@@ -27,6 +30,12 @@ class GroupError(Exception):
 
     The group ends `failed` with this message; the engine and the worker go on.
     """
+
+
+class VersionWithdrawn(Exception):
+    """The group ran tokens on weights that failed their canary (a keep swap's frozen requests
+    resume beside the check): its result must not be written. The worker hands it back,
+    refunded, and it is served again from the start on an accepted version."""
 
 
 class EngineDead(Exception):
@@ -68,8 +77,14 @@ class Engine(Protocol):
         ...
 
     async def swap(self, version: int, path: str, *, interrupt: bool = False,
-                   keep: bool = False) -> dict[str, float]:
+                   keep: bool = False, canary: Canary | None = None,
+                   tolerance: Tolerance | None = None) -> dict[str, float]:
         """Load the weights of `version` from `path` (already verified) and serve them.
+
+        `canary`: the version's reference (`rollq/canary.py`), checked on the loaded weights
+        before anything serves them, against `tolerance` (the publish's own, else this, else the
+        dtype's default); a refusal raises `CanaryRefused` with the engine back on its old
+        weights. An engine that cannot score one raises `CanaryRefused` too.
 
         `interrupt`: running groups are cut and continue under the new weights (their samples
         get one version segment per version); `keep`: they pause and go on under the new weights

@@ -10,6 +10,7 @@ import asyncio
 import zlib
 from functools import lru_cache
 
+from rollq.canary import Canary, CanaryRefused, Tolerance
 from rollq.engine.base import Generated, GroupError
 import msgspec
 
@@ -90,7 +91,10 @@ class InstantEngine:
         return Generated(samples, prompt, prompt_drift=drift_at >= 0, prompt_drift_at=drift_at)
 
     async def swap(self, version: int, path: str, *, interrupt: bool = False,
-                   keep: bool = False) -> dict[str, float]:
+                   keep: bool = False, canary: Canary | None = None,
+                   tolerance: Tolerance | None = None) -> dict[str, float]:
+        if canary is not None:  # it has no weights to score one with: never served unchecked
+            raise CanaryRefused(version, None, "the instant engine cannot score a canary")
         self._version = version
         return {}
 

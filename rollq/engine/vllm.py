@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from rollq.canary import Canary, CanaryRefused, Tolerance, Verdict
 from rollq.config import VLLMSettings
-from rollq.engine.base import EngineDead, Generated, GroupError
-from rollq.engine import lora, transfer
+from rollq.engine.base import EngineDead, Generated, GroupError, VersionWithdrawn
+from rollq.engine import canary_check, lora, transfer
 from rollq.engine.pushes import BACKENDS, untouched
 from rollq.engine.chat import ChatRenderer
 from rollq.engine.images import EngineImages, image_tokens
@@ -224,6 +225,16 @@ class VLLMEngine:
         self._no_adapter_dir: tempfile.TemporaryDirectory | None = None
         self.images = EngineImages(llm)
         """Groups' images; the worker gives it the Redis reader (`images.loader`)."""
+        self.verdict: Verdict | None = None
+        """The last canary check's figures (accepted or refused), for the worker to report."""
+        self._checking: dict[int, asyncio.Future] = {}
+        """Versions whose canary is being scored: a group holding tokens of one waits for the
+        verdict before its result leaves (a keep swap's frozen requests run beside the check)."""
+        self._withdrawn: set[int] = set()
+        """Versions loaded and then refused by their canary: tokens labelled with one never
+        reach a result (`VersionWithdrawn`)."""
+        self._withdrawals = 0
+        """Keep swaps refused by their canary: the frozen requests were aborted (see `_load_kept`)."""
 
     @classmethod
     async def start(cls, settings: VLLMSettings, *, version: int = 0) -> VLLMEngine:
@@ -341,6 +352,28 @@ class VLLMEngine:
         raises here, the engine lives on). Milliseconds for a small adapter."""
         await self.llm.add_lora(adapter.request(replace=True))
 
+    async def check_adapter(self, adapter: Adapter, canary: Canary,
+                            tolerance: Tolerance | None = None) -> Verdict:
+        """Score an adapter version's canary with its own LoRA request, after `add_adapter` and
+        before any group uses it; CanaryRefused beyond tolerance. A swap of the base weights
+        that begins meanwhile refuses it too (the figures would mix two bases; an adapter on the
+        old base is never served again anyway)."""
+        while self._swaps_done < self._swaps_begun:  # never score beside a swap
+            await self._swap_done.wait()
+        began = self._swaps_begun
+        try:
+            verdict = await canary_check.check(self.llm, canary, tolerance=tolerance,
+                                               lora_request=adapter.request())
+        except Exception as e:
+            raise CanaryRefused(adapter.version, None, f"its canary could not be scored: "
+                                                       f"{type(e).__name__}: {e}") from e
+        if self._swaps_begun != began:
+            raise CanaryRefused(adapter.version, None, "the base weights were swapped during its check")
+        self.verdict = verdict
+        if not verdict.accepted:
+            raise CanaryRefused(adapter.version, verdict)
+        return verdict
+
     async def remove_adapter(self, version: int) -> None:
         await self.llm.remove_lora(version)
 
@@ -371,12 +404,16 @@ class VLLMEngine:
             prompt = await self.images.prompt(prompt, item)
         request_id = f"{item.job_id}-{item.group_index}-{uuid.uuid4().hex[:8]}"
         states = [_SampleState() for _ in range(item.n)]
+        withdrawals = self._withdrawals
         final, version, epoch = await self._request(prompt, params, request_id, adapter)
         prompt_ids = list(final.prompt_token_ids or [])
         for c in final.outputs:
             states[c.index].extend(c, version, item.sampling.logprobs,
                                    None if adapter is None else adapter.version)
         cut = self._swaps_begun > epoch and any(st.finish_reason == "abort" for st in states)
+        if cut and self._withdrawals > withdrawals:  # frozen by a keep swap whose version failed
+            raise VersionWithdrawn("cut by a keep swap to a version its canary refused")
+        await self._settled(states)
         if cut and adapter is not None:  # the worker drains adapter groups before a swap
             raise GroupError(f"adapter version {adapter.version}: cut by a swap of the base weights")
         if cut and item.images:  # a continuation from token ids alone would drop the images
@@ -390,6 +427,7 @@ class VLLMEngine:
             epoch = min(e for _, _, e in outputs)
             for i, (completion, v, _) in zip(cut, outputs):
                 states[i].extend(completion, v, item.sampling.logprobs)
+        await self._settled(states)
         samples = [st.to_sample(version, item.sampling.token_ranks) for st in states]
         if chat_request is not None:  # Convert sampled text --> vLLM's tool calls and reasoning.
             samples = self._chat.parse(chat_request, prompt_ids, samples)
@@ -397,6 +435,16 @@ class VLLMEngine:
                          _prompt_scores(final, item.sampling.prompt_logprobs,
                                         self.llm.tokenizer if params.detokenize else None),
                          image_tokens(prompt), drift_at >= 0, drift_at)
+
+    async def _settled(self, states: list[_SampleState]) -> None:
+        """Raise VersionWithdrawn if a sample holds tokens of a version its canary refused,
+        waiting first for a check still running on a version it holds tokens of."""
+        held = {v for st in states for v, _ in st.versions}
+        for version in held & self._checking.keys():
+            await asyncio.shield(self._checking[version])
+        if held & self._withdrawn:
+            raise VersionWithdrawn(f"tokens sampled on version {min(held & self._withdrawn)}, "
+                                   "which its canary refused")
 
     def _checked(self, ids: list[int]) -> list[int]:
         """vLLM does not check ids against the model without a tokenizer: one id outside the
@@ -489,15 +537,18 @@ class VLLMEngine:
             WeightTransferInitRequest(init_info={"stage": update_info}))
 
     async def push(self, version: int, update_info: dict[str, Any], *, interrupt: bool = False,
-                   keep: bool = False) -> dict[str, float]:
+                   keep: bool = False, canary: Canary | None = None,
+                   tolerance: Tolerance | None = None) -> dict[str, float]:
         """`swap` with the weights received through vLLM's weight-transfer API instead of read
         from files: `update_info` goes to the engine's transfer engine on every rank
         (`engine/transfer.py`), which checks every tensor's fingerprint before it loads any.
         A refused or failed push raises, the engine back on its last verified files."""
-        return await self.swap(version, _Pushed(update_info), interrupt=interrupt, keep=keep)
+        return await self.swap(version, _Pushed(update_info), interrupt=interrupt, keep=keep,
+                               canary=canary, tolerance=tolerance)
 
     async def swap(self, version: int, path: str, *, interrupt: bool = False,
-                   keep: bool = False) -> dict[str, float]:
+                   keep: bool = False, canary: Canary | None = None,
+                   tolerance: Tolerance | None = None) -> dict[str, float]:
         """Load `version` (already verified). `interrupt`: abort running requests, which then
         continue under the new weights; `keep`: freeze them with their KV cache, which they go on
         with under the new weights; else wait for them. All or nothing: on a load error the
@@ -505,15 +556,16 @@ class VLLMEngine:
         (`alive` False, EngineDead raised) rather than serving a model without weights. Returns
         seconds per phase: pause (running requests finish, are cut or frozen), load (vLLM reads
         the files into the model, one probe token), resume (version label, prefix cache reset,
-        resumed)."""
+        resumed); with a canary, `canary`: its check (see `Engine.swap`)."""
         llm = self.llm
+        check = None if canary is None else (canary, tolerance)
         self._swaps_begun += 1  # closes the gate in `_request`
         phases, mark = {}, time.monotonic()
 
         def lap(phase: str) -> None:
             nonlocal mark
-            now = time.monotonic()
-            phases[phase], mark = now - mark, now
+            now = time.monotonic()  # (added up: a canary's check laps `load` before its own)
+            phases[phase], mark = phases.get(phase, 0.0) + now - mark, now
 
         try:
             # Requests that passed the gate before it closed reach vLLM before the pause, so the
@@ -525,12 +577,12 @@ class VLLMEngine:
                 # resume would then recompute with the new weights.
                 await self._pause("keep", clear_cache=False)
                 lap("pause")
-                await self._load_kept(version, path)
+                await self._load_kept(version, path, check, lap)
                 lap("load")
             else:
                 await self._pause_all("abort" if interrupt else "wait")
                 lap("pause")
-                await self._load_or_restore(version, path)  # labels the loaded version too
+                await self._load_or_restore(version, path, check, lap)  # labels it too
                 lap("load")
             self._version, self._labelled = version, True
             if not isinstance(path, _Pushed):
@@ -592,7 +644,8 @@ class VLLMEngine:
             await asyncio.sleep(0.001)
         return True
 
-    async def _load_kept(self, version: int, path: str) -> None:
+    async def _load_kept(self, version: int, path: str, check: tuple | None = None,
+                         lap: Any = None) -> None:
         """A keep swap's load: the frozen requests run again as soon as generation resumes,
         beside the probe token, on the weights just loaded (labelled with their version first).
 
@@ -603,7 +656,13 @@ class VLLMEngine:
         counted, and exits). The worker refuses non-finite weights before a keep swap
         (`registry/snapshots.py: check_finite`), so this takes finite weights giving non-finite
         logits; a frozen request that finished before the probe answered (with every sequence
-        slot taken, the probe waits for one) has then had its result written."""
+        slot taken, the probe waits for one) has then had its result written.
+
+        A canary (`check`) is scored after the probe, the frozen requests running beside it (vLLM
+        resumes all or none). A refusal aborts them and loads the old weights back: a group that
+        sampled tokens on the refused weights, or was cut, is handed back whole
+        (`VersionWithdrawn`: `generate_group` waits for the verdict before any result leaves),
+        to be served again on an accepted version."""
         llm = self.llm
         try:
             await self._reload(path, version)
@@ -613,6 +672,14 @@ class VLLMEngine:
             raise
         await llm.resume_generation()
         logprob = await self._probe()
+        if math.isfinite(logprob) and check is not None:
+            try:
+                await self._check_canary(version, *check, lap)
+            except CanaryRefused:
+                self._withdrawals += 1
+                await llm.pause_generation(mode="abort", clear_cache=True)
+                await self._restore(version)
+                raise
         if not math.isfinite(logprob):
             await llm.pause_generation(mode="abort", clear_cache=True)
             self._dead = (f"version {version} loaded under running requests (keep swap) gives a "
@@ -626,9 +693,10 @@ class VLLMEngine:
         weights computed would otherwise be reused by requests of the new version."""
         return prompt | {"cache_salt": f"rollq-v{self._version}"}
 
-    async def _load_or_restore(self, version: int, path: str) -> None:
+    async def _load_or_restore(self, version: int, path: str, check: tuple | None = None,
+                               lap: Any = None) -> None:
         try:
-            await self._load(path, version)
+            await self._load(path, version, check, lap)
         except Exception as e:
             if not untouched(e):  # (a refused push: nothing was loaded, the version serves on)
                 await self._restore(version)
@@ -651,7 +719,8 @@ class VLLMEngine:
             raise EngineDead(self._dead) from again
         self._version = self._weights_version
 
-    async def _load(self, path: str, version: int) -> None:
+    async def _load(self, path: str, version: int, check: tuple | None = None,
+                    lap: Any = None) -> None:
         """reload_weights, then one greedy probe token (generation resumed just for it): vLLM only
         warns about tensors it did not load, so an incomplete load shows as a non-finite logprob.
 
@@ -662,16 +731,52 @@ class VLLMEngine:
         CPU attention reads whole blocks, so the restored weights answered NaN too and the engine
         was lost (tests/test_swap_labels_vllm.py). The probe's
         own single token leaves NaN only in a block's first slot, which every later user of the
-        block writes before it reads. The label changes before the resume all the same."""
+        block writes before it reads. The label changes before the resume all the same.
+
+        `check`: (canary, tolerance), scored after a finite probe, still alone (a refusal raises
+        CanaryRefused; the caller loads the old weights back)."""
         llm = self.llm
         await self._reload(path, version)
         await llm.resume_generation()
         try:
             logprob = await self._probe()
+            if math.isfinite(logprob) and check is not None:
+                await self._check_canary(version, *check, lap)
         finally:
             await self._pause("wait", clear_cache=True)
         if not math.isfinite(logprob):
             raise RuntimeError(f"weights loaded from {path} give a logprob of {logprob}")
+
+    async def _check_canary(self, version: int, canary: Canary, tolerance: Tolerance | None,
+                            lap: Any = None, lora_request: Any = None) -> Verdict:
+        """Score `canary` on the weights just loaded (generation resumed); raise CanaryRefused
+        beyond tolerance, or when it cannot be scored. `lap`: the swap's phase timer (the load's
+        time up to here is `load`, the check's is `canary`)."""
+        if lap is not None:
+            lap("load")
+        pending = self._checking[version] = asyncio.get_running_loop().create_future()
+        refused = True
+        try:
+            try:
+                # Full weights are scored without the zero adapter, as the probe is.
+                verdict = await canary_check.check(self.llm, canary, tolerance=tolerance,
+                                                   lora_request=lora_request)
+            except Exception as e:  # the publisher's mistake or the engine's: not served unchecked
+                self.verdict = None
+                raise CanaryRefused(version, None, f"its canary could not be scored: "
+                                                   f"{type(e).__name__}: {e}") from e
+            self.verdict = verdict
+            if not verdict.accepted:
+                raise CanaryRefused(version, verdict)
+            refused = False
+            return verdict
+        finally:
+            if refused:
+                self._withdrawn.add(version)
+            del self._checking[version]
+            pending.set_result(None)
+            if lap is not None:
+                lap("canary")
 
     async def _reload(self, source: str | _Pushed, version: int) -> None:
         """The weights of `version` into the paused engine, labelled: from files (vLLM's

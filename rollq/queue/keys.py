@@ -114,6 +114,18 @@ class Keys:
         checked by retention in the same script, so a pinned version's files are never deleted."""
         return f"{self._p}:pins:{version}"
 
+    def canary_refusals(self, version: int) -> str:
+        """Hash worker id -> why it refused `version` (its canary's figures): written by each
+        worker whose check refused the version, read to tell when every live worker has."""
+        return f"{self._p}:canary-refusals:{version}"
+
+    @property
+    def refused_versions(self) -> str:
+        """Hash version -> reason: versions every live worker's canary refused (the registry's
+        mark). Groups that only such a version could serve fail with the reason instead of
+        waiting; a worker that later accepts the version removes the mark."""
+        return f"{self._p}:refused-versions"
+
     @property
     def bounded_jobs(self) -> str:
         """Sorted set job key -> its deadline (unix s; inf for none): the unfinished jobs with a

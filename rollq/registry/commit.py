@@ -34,13 +34,14 @@ async def commit_files(redis: Redis, keys: Keys, store: WeightStore, version: in
                        files: list[FileDigest], owned: bool, *, publisher: str, keep: int | None,
                        registry: Registry | None = None, adapter_on: int | None = None,
                        tensors: list[TensorDigest] | None = None,
-                       push: PushOffer | None = None) -> VersionEntry:
+                       push: PushOffer | None = None, canary: bytes = b"") -> VersionEntry:
     """Commit `version` from its files at `path`, written and hashed (`owned`: a copy in the
     store, deleted if the version is refused; else the publisher's, registered by reference).
     `adapter_on`: an adapter version on that full version; `tensors`, `push`: a push offered
-    with it (`engine/pushes.py`). Returns the entry registered."""
+    with it (`engine/pushes.py`); `canary`: the version's canary, encoded (`rollq/canary.py`).
+    Returns the entry registered."""
     entry = VersionEntry(version, str(path), files, sum(f.bytes for f in files), time.time(), publisher,
                          owned, "full" if adapter_on is None else "adapter", adapter_on or 0,
-                         tensors or [], push)
+                         tensors or [], push, canary)
     await commit_version(redis, keys, store, entry, keep, registry)
     return entry

@@ -114,6 +114,7 @@ async def retain(redis: Redis, keys: Keys, store: WeightStore | None, keep: int)
         if verdict is not Reply.OK:  # pinned, newest, or someone else's
             continue
         removed.append(entry.version)
+        await registry.forget_refusals(entry.version)
         if entry.owned and store is not None:
             try:
                 await asyncio.to_thread(store.delete, entry.path)

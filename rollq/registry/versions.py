@@ -67,3 +67,39 @@ class Registry:
 
     async def unpin(self, version: int, worker_id: str) -> None:
         await self.redis.zrem(self.keys.pins(version), worker_id)
+
+    # --- Canary refusals (`rollq/canary.py`) ---------------------------------------------------
+
+    async def canary_refused(self, version: int, worker_id: str, reason: str,
+                             followers: set[str]) -> bool:
+        """Record this worker's refusal of `version`; when every live follower (`followers`:
+        workers that would load it, this one included) has refused it, mark the version refused
+        everywhere. True: marked. Two workers refusing at once both see both refusals (each
+        writes before it reads), so the last one marks it."""
+        await self.redis.hset(self.keys.canary_refusals(version), worker_id, reason)
+        refusers = {w.decode() for w in await self.redis.hkeys(self.keys.canary_refusals(version))}
+        if not followers <= refusers:
+            return False
+        await self.redis.hset(self.keys.refused_versions, str(version),
+                              f"version {version} was refused by the canary of every live worker "
+                              f"({len(refusers)}); {worker_id}: {reason}")
+        return True
+
+    async def canary_accepted(self, version: int, worker_id: str) -> None:
+        """This worker serves `version`: not refused by it, nor everywhere."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hdel(self.keys.canary_refusals(version), worker_id)
+            pipe.hdel(self.keys.refused_versions, str(version))
+            await pipe.execute()
+
+    async def refused_everywhere(self) -> dict[int, str]:
+        """Versions every live worker's canary refused -> the reason."""
+        marks = await self.redis.hgetall(self.keys.refused_versions)
+        return {int(v): reason.decode() for v, reason in marks.items()}
+
+    async def forget_refusals(self, version: int) -> None:
+        """A retired version's refusals (retention)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(self.keys.canary_refusals(version))
+            pipe.hdel(self.keys.refused_versions, str(version))
+            await pipe.execute()

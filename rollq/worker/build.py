@@ -35,5 +35,5 @@ def build_worker(s: WorkerSettings, redis: Redis, engine: Engine, *, max_infligh
                                    admission=worker.admission, heartbeat=worker.heartbeat,
                                    stats=worker.stats, worker_id=worker.worker_id,
                                    stopping=lambda: worker.stopping, mode=s.swap_mode,
-                                   base_schema=base_schema, poll_s=s.poll_s)
+                                   base_schema=base_schema, poll_s=s.poll_s, tolerance=s.tolerance())
     return worker, follower

@@ -10,6 +10,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rollq.canary import CanaryCheck
 from rollq.queue.keys import Keys
 from rollq.queue.workers import Totals, WorkerState
 from rollq.registry.versions import Registry
@@ -40,19 +41,20 @@ class Heartbeat:
 
     async def beat(self, *, version: int, inflight: int, state: str, last_error: str = "",
                    pinned: bool = False, totals: Totals | None = None,
-                   capacity: int | None = None, max_model_len: int | None = None) -> None:
+                   capacity: int | None = None, max_model_len: int | None = None,
+                   canaries: list[CanaryCheck] | None = None) -> None:
         async with self._writing:
             await self._write(version=version, inflight=inflight, state=state, last_error=last_error,
                               pinned=pinned, totals=totals, capacity=capacity,
-                              max_model_len=max_model_len)
+                              max_model_len=max_model_len, canaries=canaries or [])
 
     async def _write(self, *, version: int, inflight: int, state: str, last_error: str,
                      pinned: bool, totals: Totals | None, capacity: int | None,
-                     max_model_len: int | None) -> None:
+                     max_model_len: int | None, canaries: list[CanaryCheck]) -> None:
         now = time.time()
         beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned,
                            totals or Totals(), self.target, sorted(self.adapters), capacity,
-                           max_model_len)
+                           max_model_len, canaries)
         # No MULTI (a cluster pipeline cannot be one): live_workers reads only beats whose key
         # exists, so a sorted-set entry without its beat is harmless.
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -363,7 +363,8 @@ class Worker:
         await self.heartbeat.beat(version=self.engine.version, inflight=len(self._held),
                                   state=self.state, last_error=self.last_error, pinned=self.limits.pinned,
                                   totals=self.stats.totals, capacity=self.limits.max_inflight,
-                                  max_model_len=getattr(self.engine, "max_model_len", None))
+                                  max_model_len=getattr(self.engine, "max_model_len", None),
+                                  canaries=list(self.versions.canaries))
 
     async def _renew_once(self) -> None:
         await self._hand_back_unheld()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
+from rollq.canary import CanaryRefused, Tolerance, canary_of
 from rollq.protocol import VersionEntry, WorkItem
 from rollq.registry.safetensors_check import Schema
 from rollq.registry.snapshots import Snapshots, check_adapter_version
@@ -45,9 +46,9 @@ log = logging.getLogger("rollq.worker")
 class ResidentAdapters:
     def __init__(self, engine: Engine, registry: Registry, snapshots: Snapshots,
                  base_schema: Schema | None, *, worker_id: str, heartbeat: Heartbeat,
-                 versions: VersionState, stats: WorkerStats):
-        """`heartbeat`: shows the adapters pinned while they load; `versions`: told of refusals;
-        `stats`: each load's time."""
+                 versions: VersionState, stats: WorkerStats, tolerance: Tolerance | None = None):
+        """`heartbeat`: shows the adapters pinned while they load; `versions`: told of refusals
+        and canary checks; `stats`: each load's time; `tolerance`: the operator's for canaries."""
         self.engine = engine
         self.registry = registry
         self.snapshots = snapshots
@@ -56,6 +57,7 @@ class ResidentAdapters:
         self.heartbeat = heartbeat
         self.versions = versions
         self.stats = stats
+        self.tolerance = tolerance
         self.capacity = engine.max_loras
         self.max_rank = engine.max_lora_rank
         self.entries: dict[int, VersionEntry] = {}
@@ -148,8 +150,19 @@ class ResidentAdapters:
         try:
             await asyncio.to_thread(check_adapter_version, entry, self.base_schema, self.max_rank,
                                     snapshot)
+            canary = canary_of(entry)
             adapter = Adapter(version, entry.base, str(snapshot))
             await self.engine.add_adapter(adapter)
+            if canary is not None:  # before any group may choose it (it is not `loaded` yet)
+                try:
+                    verdict = await self.engine.check_adapter(adapter, canary, self.tolerance)
+                except CanaryRefused as e:
+                    if e.verdict is not None:
+                        self.versions.checked(version, e.verdict, adapter=True)
+                    with contextlib.suppress(Exception):
+                        await self.engine.remove_adapter(version)
+                    raise
+                self.versions.checked(version, verdict, adapter=True)
             loaded = True
         except RedisError:
             self.snapshots.drop(snapshot)

@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rollq.engine.base import Engine, GroupError
+from rollq.engine.base import Engine, GroupError, VersionWithdrawn
 from rollq.images import SERVING_FOR
 from rollq.protocol import GroupResult, InvalidInput, Sample, WorkItem, decode_item, encode, peek_header
 from rollq.queue.connection import Backoff
@@ -55,6 +55,8 @@ class GroupServer:
         self.limits = limits
         self._engine_slots = asyncio.Semaphore(limits.max_inflight)
         self._peers: tuple[float, set[int]] = (0.0, set())
+        self._refused_everywhere: dict[int, str] = {}
+        """The registry's marks of versions every live worker's canary refused (read with peers)."""
 
     def ending(self, c: Claimed, item: WorkItem | str, job_state: JobState | None) -> tuple[str, str] | None:
         """May this claimed group be served now? The one place that decides (the worker asks it
@@ -130,6 +132,9 @@ class GroupServer:
                     return GroupResult(status="failed", reason=verdict.reason, **partial)
         except TimeoutError:
             return GroupResult(status="expired", reason="deadline passed during generation", **partial)
+        except VersionWithdrawn as e:  # served again from the start, on an accepted version
+            log.warning("group %s/%s handed back: %s", item.job_id, item.group_index, e)
+            return None
         except GroupError as e:
             return GroupResult(status="failed", reason=str(e), **partial)
         return self._generated(item, generated, started, partial)
@@ -171,6 +176,7 @@ class GroupServer:
             return Verdict(Decision.SERVE)
         return decide(item, loaded=loaded, pinned=self.limits.pinned, newest=newest,
                       pinned_elsewhere=await self._pinned_peers(), cannot_load=versions.cannot_load,
+                      refused_everywhere=self._refused_everywhere,
                       target=self.heartbeat.target)
 
     async def _pinned_peers(self) -> set[int]:
@@ -185,6 +191,7 @@ class GroupServer:
             # A pinned worker that is restarting has no heartbeat: its version stays servable
             # for a grace period, so groups only it can serve wait instead of failing.
             versions |= await recently_pinned(self.queue.redis, self.queue.keys)
+            self._refused_everywhere = await self.versions.registry.refused_everywhere()
             self._peers = (time.monotonic(), versions)
         return versions
 

@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
+from rollq.canary import CanaryRefused, Tolerance, canary_of
 from rollq.engine import pushes
 from rollq.protocol import SwapMode, VersionEntry
 from rollq.registry.safetensors_check import Schema, WeightError, check_compatible
 from rollq.registry.snapshots import Snapshots, check_version
+from rollq.queue.workers import live_workers
 from rollq.registry.versions import Registry
 from rollq.worker.resident import ResidentAdapters
 from rollq.worker.windows import crossing
@@ -48,9 +50,10 @@ class VersionFollower:
     def __init__(self, engine: Engine, registry: Registry, versions: VersionState, *,
                  admission: Admission, heartbeat: Heartbeat, stats: WorkerStats, worker_id: str,
                  stopping: Callable[[], bool], mode: SwapMode, base_schema: Schema | None,
-                 poll_s: float):
+                 poll_s: float, tolerance: Tolerance | None = None):
         """The worker's parts it uses: `admission` (the gate a swap closes), `heartbeat` (pins
-        held, the target), `stats` (swaps), `stopping` (when to end)."""
+        held, the target), `stats` (swaps), `stopping` (when to end). `tolerance`: the
+        operator's for version canaries (None: the dtype's default)."""
         self.engine = engine
         self.registry = registry
         self.admission = admission
@@ -61,6 +64,7 @@ class VersionFollower:
         self.mode = mode
         self.base_schema = base_schema
         self.poll_s = poll_s
+        self.tolerance = tolerance
         self.snapshots = Snapshots(worker_id)
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="rollq-version-check")
         """The snapshot copy and check run here, not in the loop's default executor: a new
@@ -76,7 +80,7 @@ class VersionFollower:
         if getattr(engine, "max_loras", 0):  # started with adapter support
             self.adapters = ResidentAdapters(engine, registry, self.snapshots, base_schema,
                                              worker_id=worker_id, heartbeat=heartbeat, versions=versions,
-                                             stats=stats)
+                                             stats=stats, tolerance=tolerance)
             self.versions.serve_adapters(self.adapters)
             heartbeat.adapters = self.adapters.loaded  # read at each beat
 
@@ -240,6 +244,7 @@ class VersionFollower:
         """
         version, began, versions, mode, engine = entry.version, time.monotonic(), self.versions, \
             self.mode, self.engine
+        canary = canary_of(entry)  # (a malformed one refuses the version: `catch_up`)
         versions.moving("draining")
         self.heartbeat.soon()
         adapters = versions.adapters
@@ -255,11 +260,21 @@ class VersionFollower:
         try:
             if push is None:
                 phases |= await engine.swap(version, str(path), interrupt=mode == "interrupt",
-                                            keep=mode == "keep")
+                                            keep=mode == "keep", canary=canary,
+                                            tolerance=self.tolerance)
             else:
                 pushed = await engine.push(version, push, interrupt=mode == "interrupt",
-                                           keep=mode == "keep")
+                                           keep=mode == "keep", canary=canary,
+                                           tolerance=self.tolerance)
                 phases |= {("push" if k == "load" else k): v for k, v in pushed.items()}
+        except CanaryRefused as e:  # back on its old weights; the same bytes by files would fail too
+            versions.refuse(version, f"version {version} refused: {e}")
+            if e.verdict is not None:
+                versions.checked(version, e.verdict)
+            self.stats.swap(False, time.monotonic() - began, phases)
+            log.error("%s; still serving version %d", versions.last_error, engine.version)
+            await self._report_refusal(version, str(e))
+            return False
         except Exception as e:  # the engine is back on its old weights (or dead); report, never retry
             what = f"{'push' if push else 'swap'} to version {version} failed: {type(e).__name__}: {e}"
             if push is None or not engine.alive:
@@ -277,7 +292,24 @@ class VersionFollower:
                  "push" if push else "swap", time.monotonic() - began,
                  ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
         self.stats.swap(True, time.monotonic() - began, phases)
+        if canary is not None and engine.verdict is not None:
+            versions.checked(version, engine.verdict)
+            log.info("version %d: %s", version, engine.verdict.describe())
+            with contextlib.suppress(RedisError):  # (a mark it leaves is cleared by the next)
+                await self.registry.canary_accepted(version, self.worker_id)
         return True
+
+    async def _report_refusal(self, version: int, reason: str) -> None:
+        """Into the registry: this worker's refusal, and the version's mark once every live
+        worker that follows the registry has refused it."""
+        try:
+            followers = {w.worker_id for w in await live_workers(self.registry.redis, self.registry.keys)
+                         if not w.pinned} | {self.worker_id}
+            if await self.registry.canary_refused(version, self.worker_id, reason, followers):
+                log.error("version %d is refused by every live worker: groups that only it can "
+                          "serve fail", version)
+        except RedisError as e:  # the refusal stands here; other workers find it themselves
+            log.warning("could not record the refusal of version %d (%s)", version, e)
 
     async def _release_unchecked(self) -> None:
         version, self._unchecked = self._unchecked, None
@@ -296,7 +328,7 @@ class VersionFollower:
 
 
 async def load_pinned(engine: Engine, registry: Registry, heartbeat: Heartbeat, worker_id: str,
-                      version: int, base_schema: Schema | None) -> None:
+                      version: int, base_schema: Schema | None, tolerance: Tolerance | None = None) -> None:
     """A pinned worker loads its version once at start (and holds its pin); raises if it cannot."""
     if version == engine.version:
         return
@@ -306,4 +338,5 @@ async def load_pinned(engine: Engine, registry: Registry, heartbeat: Heartbeat, 
     heartbeat.holds.add(version)
     snapshot = Snapshots(worker_id).new(version)
     await asyncio.to_thread(check_version, entry, base_schema, snapshot)
-    await engine.swap(version, str(snapshot), interrupt=False)
+    await engine.swap(version, str(snapshot), interrupt=False, canary=canary_of(entry),
+                      tolerance=tolerance)

@@ -9,7 +9,10 @@ read it. The loaded version itself is the engine's (`engine.version`).
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Literal
+
+from rollq.canary import MAX_REPORTED_CHECKS, CanaryCheck, Verdict
 
 from rollq.registry.versions import Registry
 
@@ -32,6 +35,8 @@ class VersionState:
         self.error_at = 0.0
         self.adapters: ResidentAdapters | None = None
         """Adapter versions served beside the loaded one (engines with adapter support)."""
+        self.canaries: deque[CanaryCheck] = deque(maxlen=MAX_REPORTED_CHECKS)
+        """The latest canary checks, accepted and refused (the heartbeat reports them)."""
 
     async def read_newest(self) -> int | None:
         """Read the newest registered version from the registry (and remember it)."""
@@ -42,6 +47,10 @@ class VersionState:
         """`version` can never be served here (it is not retried); `reason` is reported."""
         self.cannot_load.add(version)
         self.failed(reason)
+
+    def checked(self, version: int, verdict: Verdict, *, adapter: bool = False) -> None:
+        """A canary check's outcome, for the heartbeat (a refusal is also `refuse`d)."""
+        self.canaries.append(CanaryCheck(version, verdict, time.time(), adapter))
 
     def skip(self, version: int) -> None:
         """`version` is not servable by this worker (no error: another worker may serve it)."""

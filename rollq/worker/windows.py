@@ -38,10 +38,13 @@ def in_window(item: WorkItem, version: int, newest: int) -> bool:
 
 
 def decide(item: WorkItem, *, loaded: int, pinned: bool, newest: int | None,
-           pinned_elsewhere: set[int], cannot_load: set[int], target: int | None = None) -> Verdict:
+           pinned_elsewhere: set[int], cannot_load: set[int], target: int | None = None,
+           refused_everywhere: dict[int, str] | None = None) -> Verdict:
     """`newest`: the newest registered version (None: none yet, the base weights serve).
     `target`: the version this worker is verifying, draining toward or loading, if any.
     `pinned_elsewhere`: versions other live workers are pinned to or about to load.
+    `refused_everywhere`: versions every live worker's canary refused -> why (a group whose
+    window starts at such a newest version fails with that reason instead of waiting).
 
     Workers that follow the registry serve the newest version and every later one, and on the
     way the version they are already swapping to (they pinned it: it cannot be retired); pinned
@@ -56,7 +59,11 @@ def decide(item: WorkItem, *, loaded: int, pinned: bool, newest: int | None,
     if not pinned and loaded < newest and newest not in cannot_load and in_window(item, newest, newest):
         return Verdict(Decision.WAIT_SWAP)
     followers_can = item.max_version is None or item.max_version >= max(item.min_version, newest)
-    if followers_can or any(in_window(item, v, newest) for v in pinned_elsewhere):
+    elsewhere = any(in_window(item, v, newest) for v in pinned_elsewhere)
+    refused = (refused_everywhere or {}).get(newest)
+    if refused and item.min_version >= newest and in_window(item, newest, newest) and not elsewhere:
+        return Verdict(Decision.FAIL, refused)
+    if followers_can or elsewhere:
         return Verdict(Decision.PASS)
     window = f"[{item.min_version}, {item.max_version}]"
     return Verdict(Decision.FAIL, f"version window {window} can never be served: the newest version "
