@@ -76,6 +76,8 @@ class Worker:
         self.admission = Admission()
         self.stats = stats or WorkerStats(queue.keys.policy)
         self.versions = versions or VersionState(self.registry)
+        self.follower = None
+        """The VersionFollower `run` was given (None: pinned, or not following)."""
         self.server = GroupServer(queue, engine, versions=self.versions, admission=self.admission,
                                   stats=self.stats, heartbeat=self.heartbeat, limits=limits)
         self._redis_error, self._redis_error_at = "", 0.0
@@ -129,6 +131,7 @@ class Worker:
                  self.queue.keys.policy, self.engine.version, " (pinned)" if self.limits.pinned else "")
         renewing = asyncio.create_task(self._renew_loop(), name="renew")
         beating = asyncio.create_task(self._beat_on_change(), name="beat-on-change")
+        self.follower = follower
         following = [asyncio.create_task(follower.run(), name="follow-versions")] if follower else []
         try:
             with contextlib.suppress(RedisError):  # Redis may be down: the renew loop beats again

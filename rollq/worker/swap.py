@@ -65,6 +65,9 @@ class VersionFollower:
         self.base_schema = base_schema
         self.poll_s = poll_s
         self.tolerance = tolerance
+        self.spoil: Callable[[int, Path], None] | None = None
+        """Tests only: changes a checked snapshot's files before the engine loads them (a worker
+        made to load wrong bytes on purpose, for the canary to catch). Never set in `rollq worker`."""
         self.snapshots = Snapshots(worker_id)
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="rollq-version-check")
         """The snapshot copy and check run here, not in the loop's default executor: a new
@@ -176,6 +179,8 @@ class VersionFollower:
                 self._checker, functools.partial(check_version, entry, self.base_schema, snapshot,
                                                  finite=self.mode == "keep",
                                                  spare=self.snapshots.take_spare()))
+            if self.spoil is not None:
+                self.spoil(version, snapshot)
             served = await self.swap_to(entry, snapshot, verify_s=time.monotonic() - checking)
         finally:
             heartbeat.target = None

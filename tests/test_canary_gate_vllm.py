@@ -1,0 +1,196 @@
+"""The version canary in the worker's load path (issue 41), on vLLM's CPU build, the references
+computed by transformers: the trainer publishes its version with `canary=True`, the worker loads
+what the store holds. Where the two disagree the version is refused with its figures, the
+previous version keeps serving, and every group is served once, on an accepted version.
+
+Each wrong version here is a way an engine comes to serve other weights than the trainer's:
+one layer off by 1 %, two embedding rows swapped, an lm_head left stale, and weights cast through
+bf16 under a float32 tolerance. (An adapter published with a doubled scale: test_adapters_vllm.)
+
+The stale head is made by the follower's test hook (`VersionFollower.spoil`): the checked
+snapshot gets the previous version's `lm_head.weight` back before vLLM loads it, as when a tied
+head's tensor never reaches the engine. vLLM 0.32 itself loads a trained head into a model
+whose config ties it (tried: its `maybe_untie_word_embeddings`), so the store's bytes alone
+do not make this case here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pytest
+import torch
+from conftest import engine_flags
+from helpers import collect, wait_until
+from transformers import LlamaForCausalLM
+
+from rollq.canary import TOLERANCES
+from rollq.queue.workers import live_workers
+from rollq.registry.safetensors_check import dir_schema
+from swap_fixtures import GREEDY, PROMPTS, Reference, perturbed
+
+F32 = TOLERANCES["float32"]
+
+
+@pytest.fixture(scope="module")
+async def gate_engine(tiny_model):
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate(), version=1)
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture
+async def engine_v1(gate_engine, tiny_model):
+    if gate_engine.version != 1:
+        await gate_engine.swap(1, str(tiny_model))
+    return gate_engine
+
+
+@pytest.fixture
+def follower(make_worker, engine_v1, tiny_model):
+    def create(**settings):
+        settings = {"max_inflight": 32, "max_inflight_seqs": 32, "lease_s": 5.0} | settings
+        return make_worker(engine=engine_v1, base_schema=dir_schema(tiny_model), **settings)[0]
+
+    return create
+
+
+def trainer_model(config, state: dict) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(config).eval()
+    model.load_state_dict(state)
+    return model
+
+
+def scaled_layer(state: dict) -> dict:
+    return state | {k: v * 1.01 for k, v in state.items() if k.startswith("model.layers.1.")}
+
+
+def swapped_rows(state: dict) -> dict:
+    embed = state["model.embed_tokens.weight"].clone()
+    embed[[100, 300]] = embed[[300, 100]]  # two ids the default canary holds (it holds all 512)
+    return state | {"model.embed_tokens.weight": embed}
+
+
+def stale_head(snapshot, head) -> None:
+    """The snapshot's lm_head.weight replaced by `head` (the previous version's)."""
+    from safetensors.torch import load_file, save_file
+
+    for path in snapshot.glob("*.safetensors"):
+        tensors = load_file(path)
+        if "lm_head.weight" in tensors:
+            save_file(tensors | {"lm_head.weight": head.detach().clone()}, path, metadata={"format": "pt"})
+
+
+def through_bf16(state: dict) -> dict:
+    return {k: v.to(torch.bfloat16).float() for k, v in state.items()}
+
+
+async def _checks(client):
+    [beat] = await live_workers(client.redis, client.keys)
+    return beat.canaries
+
+
+async def test_wrong_versions_are_refused_and_the_previous_one_serves(follower, make_client, tmp_path,
+                                                                      tiny_model, caplog):
+    caplog.set_level(logging.INFO, logger="rollq")
+    worker = follower()
+    trainer = make_client(weight_store=str(tmp_path / "store"))
+    base = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    config, weights = base.config, {k: v.clone() for k, v in base.state_dict().items()}
+    models = {1: base}
+    submitted = 0
+
+    async def some_groups():
+        nonlocal submitted
+        await trainer.submit(PROMPTS[:8], n=1, sampling=GREEDY | {"max_tokens": 24})
+        submitted += 8
+
+    # v2: the trainer's exact weights are accepted, by orders of magnitude.
+    models[2] = trainer_model(config, perturbed(weights, 2))
+    await some_groups()
+    await trainer.publish_weights(2, models[2], canary=True)
+    await wait_until(lambda: worker.engine.version == 2, timeout_s=60, what="v2 accepted")
+    [accepted] = await wait_until(lambda: _checks(trainer), what="the check in the heartbeat")
+    print("exact:", accepted.verdict.describe())
+    assert accepted.version == 2 and accepted.verdict.accepted
+    assert accepted.verdict.max_abs < F32.max_abs / 30 and accepted.verdict.mean_abs < F32.mean_abs / 30
+    assert set(worker.stats.totals.last_swap) >= {"load", "canary"}
+
+    # v3..v6: the store holds other bytes than the trainer's model; each is refused with its
+    # figures, beyond the float32 tolerance by an order of magnitude, and v2 serves on.
+    models[5] = trainer_model(config, perturbed(weights, 5))
+    cases = {
+        3: ("one layer x1.01", models[2], scaled_layer(dict(models[2].state_dict()))),
+        4: ("two embedding rows swapped", models[2], swapped_rows(dict(models[2].state_dict()))),
+        5: ("an lm_head left stale", models[5], dict(models[5].state_dict())),
+        6: ("weights cast through bf16", models[2], through_bf16(dict(models[2].state_dict()))),
+    }
+    worker.follower.spoil = lambda version, snapshot: (
+        version == 5 and stale_head(snapshot, models[2].lm_head.weight))
+    for version, (what, model, stored) in cases.items():
+        await some_groups()
+        # The canary of the trainer's model, the files of the bytes the store holds.
+        from rollq.canary import reference
+
+        await trainer.publish_weights(version, stored, canary=reference(model))
+        await wait_until(lambda: version in worker.versions.cannot_load, timeout_s=60,
+                         what=f"v{version} ({what}) refused: serving {worker.engine.version}, "
+                              f"{worker.versions.last_error}")
+        checks = await wait_until(lambda: _checks(trainer), what="the refusal in the heartbeat")
+        refused = checks[-1]
+        print(f"{what}: {refused.verdict.describe()}")
+        assert refused.version == version and not refused.verdict.accepted
+        assert refused.verdict.max_abs > 10 * F32.max_abs and refused.verdict.mean_abs > 10 * F32.mean_abs
+        assert "canary refused" in worker.versions.last_error
+        assert worker.engine.version == 2  # the previous version serves
+
+    # Every live worker refused v6 (there is one): the registry says so, and a job that only v6
+    # could serve fails with the figures rather than waiting for ever.
+    marks = await worker.registry.refused_everywhere()
+    assert set(marks) >= {6} and "refused by the canary of every live worker" in marks[6]
+    only_v6 = await trainer.submit(PROMPTS[:1], n=1, sampling=GREEDY, min_version=6)
+
+    results = await collect(trainer, submitted + 1, timeout_s=120)
+    [failed] = [r for r in results if r.job_id == only_v6]
+    assert failed.status == "failed" and "canary refused" in failed.reason, failed.reason
+    served = [r for r in results if r.job_id != only_v6]
+    assert Counter((r.job_id, r.group_index) for r in served) == Counter(
+        {(r.job_id, r.group_index): 1 for r in served}) and len(served) == submitted
+    reference_of = Reference(models)
+    for r in served:
+        assert r.status == "ok", r.reason
+        for sample in r.samples:
+            assert {v for v, _ in sample.versions} <= {1, 2}, sample.versions  # accepted only
+            reference_of.check(r.prompt_ids, sample)
+
+
+async def test_a_keep_swap_refused_hands_its_frozen_groups_back(follower, make_client, tmp_path,
+                                                                 tiny_model):
+    """A keep swap resumes its frozen requests beside the check (vLLM resumes all or none): on a
+    refusal they are aborted, the old weights come back, and each of those groups is handed
+    back whole and served again from the start on the version that serves: none keeps a token
+    of the refused version, none is lost or doubled."""
+    worker = follower(swap_mode="keep")
+    trainer = make_client(weight_store=str(tmp_path / "store"))
+    base = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    wrong = scaled_layer({k: v.clone() for k, v in base.state_dict().items()})
+    await trainer.submit(PROMPTS[:16], n=1, sampling=GREEDY | {"max_tokens": 240, "swap_modes": ["keep"]})
+    await wait_until(lambda: len(worker.admission.generating) == 16, what="16 groups running")
+    from rollq.canary import reference
+
+    await trainer.publish_weights(2, wrong, canary=reference(base))
+    await wait_until(lambda: 2 in worker.versions.cannot_load, timeout_s=60, what="v2 refused")
+    results = await collect(trainer, 16, timeout_s=180)
+    assert worker.engine._withdrawals == 1  # the frozen requests ran beside the check, then went
+    assert sorted(r.group_index for r in results) == list(range(16))
+    reference_of = Reference({1: base})
+    for r in results:
+        assert r.status == "ok", r.reason
+        [sample] = r.samples
+        assert sample.versions == [(1, 0)], sample.versions
+        reference_of.check(r.prompt_ids, sample)
+    assert worker.engine.version == 1
