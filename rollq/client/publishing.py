@@ -70,6 +70,10 @@ class Publisher:
                       adapter_on: int | None, push: str | None = None,
                       canary: Canary | bool | None = None):
         typed("version", version, Version)
+        if canary not in (None, False) and adapter_on is not None:
+            raise InvalidInput("canary", "adapter versions cannot carry a canary yet: vLLM 0.32 "
+                                         "cannot score prompt logprobs under a LoRA adapter (its "
+                                         "engine core dies: vllm#29955)")
         # Computed (or checked) first: of the weights as they are now, before anything returns.
         encoded = await self._canary(canary, source)
         if push is not None and (push not in pushes.TRANSPORTS or adapter_on is not None

@@ -31,6 +31,9 @@ from rollq.protocol import (SAMPLING_EXTRA, Sample, Sampling, WorkItem, pack_flo
 
 log = logging.getLogger("rollq.engine.vllm")
 
+ADAPTER_CANARIES = False
+"""Whether this vLLM scores prompt logprobs under a LoRA request (see `check_adapter`)."""
+
 ENGINE_EXIT_GRACE_S = 1.0
 """How long `close` waits for vLLM's engine core process to exit before it is killed."""
 
@@ -357,7 +360,17 @@ class VLLMEngine:
         """Score an adapter version's canary with its own LoRA request, after `add_adapter` and
         before any group uses it; CanaryRefused beyond tolerance. A swap of the base weights
         that begins meanwhile refuses it too (the figures would mix two bases; an adapter on the
-        old base is never served again anyway)."""
+        old base is never served again anyway).
+
+        Not on vLLM 0.32: prompt logprobs under a LoRA request kill its engine core (the LoRA
+        logits processor indexes adapters per sampled row, not per prompt position: vllm#29955,
+        #16668; seen here as "einsum(): subscript b has size 8 ... 127" in `bgmv_shrink`), and
+        where they run, an lm_head adapter's delta is dropped from them (vllm#51594). So an
+        adapter version that carries a canary is refused unscored, never served unchecked and
+        never sent where it would take the engine down; publishing one is refused up front."""
+        if not ADAPTER_CANARIES:
+            raise CanaryRefused(adapter.version, None, "adapter canaries cannot be scored on this "
+                                "vLLM (prompt logprobs under a LoRA request: vllm#29955)")
         while self._swaps_done < self._swaps_begun:  # never score beside a swap
             await self._swap_done.wait()
         began = self._swaps_begun
