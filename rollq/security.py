@@ -40,7 +40,8 @@ _CONNECTION = [
 
 _ANY_TYPE = ["+del", "+exists", "+ttl", "+expire"]
 _STRINGS = [*_ANY_TYPE, "+get", "+mget", "+set", "+strlen", "+incrby", "+decrby"]
-_HASHES = [*_ANY_TYPE, "+hget", "+hmget", "+hgetall", "+hset", "+hsetnx", "+hincrby"]
+_HASHES = [*_ANY_TYPE, "+hget", "+hmget", "+hgetall", "+hset", "+hsetnx", "+hincrby", "+hincrbyfloat",
+           "+hdel"]
 _STREAMS = [*_ANY_TYPE, "+xadd", "+xlen", "+xrange", "+xreadgroup", "+xpending", "+xack", "+xdel",
             "+xgroup|create"]
 _SORTED_SETS = [*_ANY_TYPE, "+zadd", "+zrem", "+zscore", "+zrange", "+zrangebyscore",
@@ -84,7 +85,9 @@ def _own_keys(keys: Keys, trainer: str) -> dict[str, list[str]]:
                    # Each of its `Episodes` objects' owner lease (`episode_owner.lua`: GET, SET PX, DEL).
                    + [keys.image(trainer, "*"), keys.episode_owner(derived)],
         "hashes": [k for t in ids for k in (keys.job(t, "*"), keys.done(t, "*"))]
-                  + [keys.episode(trainer, "*"), keys.conversation(trainer, "*")],
+                  + [keys.episode(trainer, "*"), keys.conversation(trainer, "*")]
+                  # Its gap record (`queue/gap.py`: HINCRBY, HINCRBYFLOAT, HDEL of old versions).
+                  + [keys.gap(t) for t in ids],
         "streams": [k for t in ids for k in (keys.work(t), keys.results(t))],
         # Its images' holds, and its `Episodes` objects' index of running turns.
         "sorted sets": [keys.image_holds(t) for t in ids] + [keys.episode_running(derived)],
@@ -113,7 +116,7 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
     if publisher:
         return [*rules, *_PUBLISHER_COMMANDS, f"~{keys.every_key}"]
     own = _own_keys(keys, trainer)
-    sets = [keys.trainers, keys.scoring_trainers]
+    sets = [keys.trainers, keys.scoring_trainers, keys.gap_trainers]
     listings = [keys.bounded_jobs, keys.episodes]
     # Read only: the registry (every worker's heartbeat included) and the scorers' heartbeats.
     read = [keys.latest, keys.versions, keys.version_events, keys.worker("*"), keys.scorers,
