@@ -162,6 +162,8 @@ def check_spans(spans: Sequence[Sequence[int]], tokens: int, field: str) -> list
         version, start = span
         if not 0 <= version < MAX_VERSION:
             raise InvalidInput(f"{field}[{i}]", f"version {version} is out of range [0, 2**62)")
+        if not out and start != 0:
+            raise InvalidInput(f"{field}[{i}]", f"the first segment starts at token 0, not {start}")
         if not last < start <= max(tokens - 1, 0):
             raise InvalidInput(f"{field}[{i}]", f"first token {start} must be above the previous "
                                                 f"segment's ({last}) and below the sample's {tokens} tokens")

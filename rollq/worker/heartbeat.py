@@ -10,6 +10,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rollq.canary import MAX_REPORTED_CHECKS, CanaryCheck
 from rollq.queue.keys import Keys
 from rollq.queue.workers import Totals, WorkerState
 from rollq.registry.versions import Registry
@@ -26,6 +27,9 @@ class Heartbeat:
         self.target: int | None = None
         self.adapters: Iterable[int] = ()
         """Adapter versions loaded in the engine (the version follower's `ResidentAdapters.loaded`)."""
+        self.canaries: Iterable[CanaryCheck] = ()
+        """The worker's latest version canary checks, newest last (the newest
+        `MAX_REPORTED_CHECKS` are reported)."""
         self._pinned_to: int | None = None
         self.changed = asyncio.Event()
         """Set by `soon()`: the worker beats at once (`Worker._beat_on_change`), not at its next
@@ -52,7 +56,7 @@ class Heartbeat:
         now = time.time()
         beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned,
                            totals or Totals(), self.target, sorted(self.adapters), capacity,
-                           max_model_len)
+                           max_model_len, list(self.canaries)[-MAX_REPORTED_CHECKS:])
         # No MULTI (a cluster pipeline cannot be one): live_workers reads only beats whose key
         # exists, so a sorted-set entry without its beat is harmless.
         async with self.redis.pipeline(transaction=False) as pipe:
