@@ -117,8 +117,9 @@ async def test_bad_input_is_refused_naming_the_field_and_the_limit(make_client, 
     cases = [
         ([[-1.0, -1.0]], "trainer_logprobs", "has 1 entries for the 2 samples"),
         ([[-1.0], [-1.0]], "trainer_logprobs[0]", "has 1 logprobs for a sample of 2 tokens"),
-        ([[-1.0, math.nan], [-1.0]], "trainer_logprobs[0][1]", "not a finite log probability"),
-        ([[-1.0, -1.0], [0.5]], "trainer_logprobs[1][0]", "(<= 0)"),
+        ([[-1.0, math.nan], [-1.0]], "trainer_logprobs[0][1]", "not a log probability in [-1e+06, 0]"),
+        ([[-1.0, -1.0], [0.5]], "trainer_logprobs[1][0]", "[-1e+06, 0]"),
+        ([[-1.0, -math.inf], [-1.0]], "trainer_logprobs[0][1]", "[-1e+06, 0]"),
         ([[-1.0, -1.0], "abc"], "trainer_logprobs[1]", "list of floats or a 1-D tensor"),
         ([[-1.0, -1.0], [[-1.0]]], "trainer_logprobs[1]", "numbers only"),
     ]

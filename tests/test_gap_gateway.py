@@ -54,7 +54,9 @@ async def test_an_http_trainer_reports_and_reads_the_gap(make_gateway, make_clie
                            (_sample("w:1", [[1, 0]], [-1.0], [-1.0]), "samples[0].worker_id"),
                            (_sample("w1", [[1, 1], [2, 0]], [-1.0, -1.0], [-1.0, -1.0]),
                             "samples[0].policy_versions[0]"),
-                           (_sample("w1", [[1, 0]], [-1.0], [0.5]), "samples[0].trainer_logprobs[0]")):
+                           (_sample("w1", [[1, 0]], [-1.0], [0.5]), "samples[0].trainer_logprobs[0]"),
+                           # a sum Redis could not hold (an increment to infinity is an error)
+                           (_sample("w1", [[1, 0]], [-1e308], [-1.0]), "samples[0].rollout_logprobs[0]")):
             async with http.post(f"/v1/policies/{policy}/gap", json=dict(samples=[bad])) as r:
                 assert r.status == 400 and (await r.json())["error"]["field"] == field, await r.text()
         async with http.get(f"/v1/policies/{policy}/status") as r:

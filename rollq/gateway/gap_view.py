@@ -46,6 +46,7 @@ def tally_report(body: GapReport) -> tuple[Tally, int]:
     for i, s in enumerate(body.samples):
         at = f"samples[{i}]"
         worker = gap.check_worker(s.worker_id, f"{at}.worker_id")
+        gap.check_logprobs(s.rollout_logprobs, f"{at}.rollout_logprobs")
         spans = gap.check_spans(s.policy_versions, len(s.rollout_logprobs), f"{at}.policy_versions")
         tokens += gap.tally_sample(tally, worker, spans, s.rollout_logprobs, s.trainer_logprobs,
                                    f"{at}.trainer_logprobs")

@@ -57,6 +57,8 @@ OUTLIER_FLOOR = 1e-3
 """A worker stands out in a version when its mean |Δ| is above OUTLIER_FACTOR x the median of
 the version's other workers and above OUTLIER_FLOOR (float32's own noise is ~1e-6: 3x of that is
 no disagreement)."""
+LOGPROB_FLOOR = -1e6
+"""The least logprob a report may hold (float32 logits give nothing near it; -inf is refused)."""
 MAX_REPORT_SAMPLES = 16_384
 """Samples in one report (one call, one HTTP body)."""
 
@@ -140,9 +142,7 @@ def tally_sample(tally: Tally, worker: str, spans: Sequence[Sequence[int]], beha
     if len(trainer) != len(behaviour):
         raise InvalidInput(field, f"has {len(trainer)} logprobs for a sample of {len(behaviour)} tokens; "
                                   "give one per sampled token, in order")
-    bad = next((i for i, v in enumerate(trainer) if not -math.inf < v <= 0.0), None)
-    if bad is not None:
-        raise InvalidInput(f"{field}[{bad}]", f"{trainer[bad]!r} is not a finite log probability (<= 0)")
+    check_logprobs(trainer, field)
     counted = 0
     for k, (version, start) in enumerate(spans):
         end = spans[k + 1][1] if k + 1 < len(spans) else len(behaviour)
@@ -151,6 +151,15 @@ def tally_sample(tally: Tally, worker: str, spans: Sequence[Sequence[int]], beha
             tally.setdefault((version, worker), Sums()).add(deltas)
             counted += len(deltas)
     return counted
+
+
+def check_logprobs(values: Sequence[float], field: str) -> None:
+    """Log probabilities, finite and above LOGPROB_FLOOR: the sums of their differences stay
+    finite (Redis refuses an increment to infinity)."""
+    bad = next((i for i, v in enumerate(values) if not LOGPROB_FLOOR <= v <= 0.0), None)
+    if bad is not None:
+        raise InvalidInput(f"{field}[{bad}]", f"{values[bad]!r} is not a log probability in "
+                                              f"[{LOGPROB_FLOOR:g}, 0]")
 
 
 def check_spans(spans: Sequence[Sequence[int]], tokens: int, field: str) -> list[tuple[int, int]]:
