@@ -1,8 +1,8 @@
 """The gap and the canary checks where an operator looks (issue 41): an HTTP trainer's report and
 read (`/v1/policies/{p}/gap`, scopes as the other trainer routes), `/status` and `/workers` JSON,
 `/metrics`, `rollq status` and the dashboard (headless chromium, as tests/test_dashboard_live.py).
-Real redis-server and gateway; the canary checks are written by a real `Heartbeat` (the worker's
-wiring fills `Heartbeat.canaries`; these tests are about what is shown), the gap by trainers."""
+Real redis-server and gateway; the canary checks are written by a real `Heartbeat` (as the worker's
+gate reports them: `beat(canaries=...)`; these tests are about what is shown), the gap by trainers."""
 
 from __future__ import annotations
 
@@ -78,8 +78,7 @@ async def test_an_http_trainer_reports_and_reads_the_gap(make_gateway, make_clie
 
 async def _beat(redis, policy: str, worker: str, check: CanaryCheck | None, version: int = 2) -> None:
     heartbeat = Heartbeat(redis, Keys(policy), worker, ttl_s=30)
-    heartbeat.canaries = [check] if check else []
-    await heartbeat.beat(version=version, inflight=0, state="serving")
+    await heartbeat.beat(version=version, inflight=0, state="serving", canaries=[check] if check else [])
 
 
 def _check(version: int, accepted: bool, max_abs: float, mean_abs: float, kl: float) -> CanaryCheck:
@@ -92,12 +91,11 @@ async def test_a_refused_canary_and_a_worker_that_disagrees_show_everywhere(
         make_gateway, make_client, redis, redis_url, policy):
     """A worker whose latest check refused version 3 (the swapped-rows figures) beside one that
     accepted it: /metrics, /status and /workers, `rollq status` and the dashboard show the
-    refusal within a second of the beat (a heartbeat is lease/3 = 10 s by default); the gap the
+    refusal from that one beat (no later beat is written: what shows came with it); the gap the
     trainer reported of the bad worker's samples stands out per worker."""
     gw = await make_gateway(policies=[policy])
     await _beat(redis, policy, "good", _check(3, True, 9.5e-7, 1.5e-7, 3.6e-14), version=3)
     await _beat(redis, policy, "bad", _check(3, False, 0.34, 1.2e-2, 3.9e-4))
-    beat_at = time.monotonic()
     client = make_client("alice")
     results, given = [], []
     for worker, shift in (("good", 0.001), ("bad", 0.3), ("third", 0.0015)):
@@ -116,7 +114,6 @@ async def test_a_refused_canary_and_a_worker_that_disagrees_show_everywhere(
                 return m
 
         m = await wait_until(shown, timeout_s=10, what="the canary and the gap on /metrics")
-        assert time.monotonic() - beat_at < 5  # the sampler's next second; the gap's first read
         assert m["rollq_worker_canary_refused", labels("bad", 3)] == 1
         assert m["rollq_worker_canary_refused", labels("good", 3)] == 0
         assert m["rollq_worker_canary_max_abs", labels("bad", 3)] == pytest.approx(0.34)

@@ -10,7 +10,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from rollq.canary import MAX_REPORTED_CHECKS, CanaryCheck
+from rollq.canary import CanaryCheck
 from rollq.queue.keys import Keys
 from rollq.queue.workers import Totals, WorkerState
 from rollq.registry.versions import Registry
@@ -27,9 +27,6 @@ class Heartbeat:
         self.target: int | None = None
         self.adapters: Iterable[int] = ()
         """Adapter versions loaded in the engine (the version follower's `ResidentAdapters.loaded`)."""
-        self.canaries: Iterable[CanaryCheck] = ()
-        """The worker's latest version canary checks, newest last (the newest
-        `MAX_REPORTED_CHECKS` are reported)."""
         self._pinned_to: int | None = None
         self.changed = asyncio.Event()
         """Set by `soon()`: the worker beats at once (`Worker._beat_on_change`), not at its next
@@ -44,19 +41,20 @@ class Heartbeat:
 
     async def beat(self, *, version: int, inflight: int, state: str, last_error: str = "",
                    pinned: bool = False, totals: Totals | None = None,
-                   capacity: int | None = None, max_model_len: int | None = None) -> None:
+                   capacity: int | None = None, max_model_len: int | None = None,
+                   canaries: list[CanaryCheck] | None = None) -> None:
         async with self._writing:
             await self._write(version=version, inflight=inflight, state=state, last_error=last_error,
                               pinned=pinned, totals=totals, capacity=capacity,
-                              max_model_len=max_model_len)
+                              max_model_len=max_model_len, canaries=canaries or [])
 
     async def _write(self, *, version: int, inflight: int, state: str, last_error: str,
                      pinned: bool, totals: Totals | None, capacity: int | None,
-                     max_model_len: int | None) -> None:
+                     max_model_len: int | None, canaries: list[CanaryCheck]) -> None:
         now = time.time()
         beat = WorkerState(self.worker_id, version, inflight, state, now, last_error, pinned,
                            totals or Totals(), self.target, sorted(self.adapters), capacity,
-                           max_model_len, list(self.canaries)[-MAX_REPORTED_CHECKS:])
+                           max_model_len, canaries)
         # No MULTI (a cluster pipeline cannot be one): live_workers reads only beats whose key
         # exists, so a sorted-set entry without its beat is harmless.
         async with self.redis.pipeline(transaction=False) as pipe:
