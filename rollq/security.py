@@ -17,7 +17,8 @@ script declares it, and Redis checks declared keys as read-write), add junk memb
 shared sets (skipped by their readers), list or unlist episode keys in the policy's episode
 listing (another trainer's episode then loses its version's protection from retention), name
 routed streams (workers read them: at worst an empty stream), choose its own image budget (its
-client passes it, as its quotas), read every worker's and scorer's heartbeat, and run Lua:
+client passes it, as its quotas), read every worker's and scorer's heartbeat, write any figures into its own record of the
+training-inference gap (they count in the policy's gap, as its reports do), and run Lua:
 scripts are ACL-checked command by command, but a script that never ends blocks Redis for
 everyone until SCRIPT KILL. Trainers you do not trust get the gateway (bearer tokens), not Redis.
 """
@@ -40,7 +41,8 @@ _CONNECTION = [
 
 _ANY_TYPE = ["+del", "+exists", "+ttl", "+expire"]
 _STRINGS = [*_ANY_TYPE, "+get", "+mget", "+set", "+strlen", "+incrby", "+decrby"]
-_HASHES = [*_ANY_TYPE, "+hget", "+hmget", "+hgetall", "+hset", "+hsetnx", "+hincrby"]
+_HASHES = [*_ANY_TYPE, "+hget", "+hmget", "+hgetall", "+hset", "+hsetnx", "+hincrby", "+hincrbyfloat",
+           "+hdel"]
 _STREAMS = [*_ANY_TYPE, "+xadd", "+xlen", "+xrange", "+xreadgroup", "+xpending", "+xack", "+xdel",
             "+xgroup|create"]
 _SORTED_SETS = [*_ANY_TYPE, "+zadd", "+zrem", "+zscore", "+zrange", "+zrangebyscore",
@@ -84,7 +86,9 @@ def _own_keys(keys: Keys, trainer: str) -> dict[str, list[str]]:
                    # Each of its `Episodes` objects' owner lease (`episode_owner.lua`: GET, SET PX, DEL).
                    + [keys.image(trainer, "*"), keys.episode_owner(derived)],
         "hashes": [k for t in ids for k in (keys.job(t, "*"), keys.done(t, "*"))]
-                  + [keys.episode(trainer, "*"), keys.conversation(trainer, "*")],
+                  + [keys.episode(trainer, "*"), keys.conversation(trainer, "*")]
+                  # Its gap record (`queue/gap.py`: HINCRBY, HINCRBYFLOAT, HDEL of old versions).
+                  + [keys.gap(t) for t in ids],
         "streams": [k for t in ids for k in (keys.work(t), keys.results(t))],
         # Its images' holds, and its `Episodes` objects' index of running turns.
         "sorted sets": [keys.image_holds(t) for t in ids] + [keys.episode_running(derived)],
@@ -98,7 +102,7 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
     The submit script adds the trainer to the trainers workers claim from (a set) and a job with
     an upper bound to the bounded jobs retention looks at (a sorted set; or a set an older rollq
     left: SADD there too, both types are read); a scored submit lists the trainer for
-    the scorers (a set); episodes also list themselves for retention (a sorted set) and name
+    the scorers (a set), and a gap report lists it for the gap's readers (a set); episodes also list themselves for retention (a sorted set) and name
     routed streams (a hash). Each shared key takes only the commands of its type (SADD, ZADD and
     ZREM, HSET): nothing lets a trainer remove another from the sets, and nothing it adds stops
     their readers (`queue/members.py`). Its images are its own keys (`Keys.image(trainer, ...)`):
@@ -113,7 +117,7 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
     if publisher:
         return [*rules, *_PUBLISHER_COMMANDS, f"~{keys.every_key}"]
     own = _own_keys(keys, trainer)
-    sets = [keys.trainers, keys.scoring_trainers]
+    sets = [keys.trainers, keys.scoring_trainers, keys.gap_trainers]
     listings = [keys.bounded_jobs, keys.episodes]
     # Read only: the registry (every worker's heartbeat included) and the scorers' heartbeats.
     read = [keys.latest, keys.versions, keys.version_events, keys.worker("*"), keys.scorers,

@@ -11,7 +11,8 @@ from redis.exceptions import ResponseError
 from rich.console import Console
 from rich.table import Table
 
-from rollq.queue import members
+from rollq.queue import gap, members
+from rollq.queue.gap import GapView
 from rollq.queue.keys import EVERY_POLICY, Keys, policy_of
 from rollq.queue.names import Group
 from rollq.registry.versions import Registry
@@ -48,6 +49,9 @@ class PolicyStatus(msgspec.Struct):
     queues: list[TrainerQueue]
     scorers: list[ScorerState] = []
     scoring: list[ScoringDepth] = []
+    gap: GapView = msgspec.field(default_factory=GapView)
+    """The training-inference gap trainers reported (`queue/gap.py`): every trainer's together,
+    or the asking token's own (the gateway without the `observe` scope)."""
 
 
 async def policies(redis: Redis) -> list[str]:
@@ -60,7 +64,9 @@ async def policies(redis: Redis) -> list[str]:
     return sorted(found)
 
 
-async def policy_status(redis: Redis, policy: str) -> PolicyStatus:
+async def policy_status(redis: Redis, policy: str, *, gap_of: str | None = "") -> PolicyStatus:
+    """`gap_of`: whose reported gap to read: "" every trainer's, a trainer's own, None none (the
+    gateway's sampler reads it on its own cadence)."""
     keys = Keys(policy)
     registry = Registry(redis, keys)
     trainers = members.trainer_ids(keys.trainers, await redis.smembers(keys.trainers))
@@ -85,7 +91,8 @@ async def policy_status(redis: Redis, policy: str) -> PolicyStatus:
     return PolicyStatus(policy, await registry.latest(),
                         [e.version for e in await registry.entries()],
                         await live_workers(redis, keys), queues, await live_scorers(redis, keys),
-                        await _scoring(redis, keys))
+                        await _scoring(redis, keys),
+                        GapView() if gap_of is None else await gap.read(redis, keys, gap_of or None))
 
 
 async def _scoring(redis: Redis, keys: Keys) -> list[ScoringDepth]:
@@ -121,8 +128,51 @@ def render(status: PolicyStatus, console: Console) -> None:
     for q in status.queues:
         queues.add_row(q.trainer, str(q.waiting), str(q.running), str(q.results), str(q.outstanding))
     console.print(queues)
+    if any(w.canaries for w in status.workers):
+        _render_canaries(status.workers, console)
+    if status.gap.versions:
+        _render_gap(status.gap, console)
     if status.scorers or status.scoring:
         _render_scoring(status, console)
+
+
+def _render_canaries(workers: list[WorkerState], console: Console) -> None:
+    """Each worker's latest version check: refused in red, with the figures against the tolerance."""
+    table = Table(title="version canary (each worker's latest check)", title_justify="left")
+    for col in ("worker", "version", "verdict", "max |Δ| (tol)", "mean |Δ| (tol)", "k3 (tol)", "tokens",
+                "checked"):
+        table.add_column(col)
+    for w in workers:
+        if not w.canaries:
+            continue
+        c = w.canaries[-1]
+        v, t = c.verdict, c.verdict.tolerance
+        word = "accepted" if v.accepted else "[bold red]REFUSED[/bold red]"
+        table.add_row(w.worker_id, f"{c.version}{' (adapter)' if c.adapter else ''}", word,
+                      f"{v.max_abs:.3g} ({t.max_abs:.3g})", f"{v.mean_abs:.3g} ({t.mean_abs:.3g})",
+                      f"{v.kl:.3g} ({t.kl:.3g})", str(v.tokens), f"{time.time() - c.at:.0f} s ago")
+    console.print(table)
+
+
+GAP_SHOWN = 8
+"""Versions `rollq status` shows of the reported gap (the newest)."""
+
+
+def _render_gap(view: GapView, console: Console) -> None:
+    """The gap trainers reported, per version and then per worker; a worker that stands out red."""
+    table = Table(title="training-inference gap (trainer-reported; Δ = trainer - behaviour logprob)",
+                  title_justify="left")
+    for col in ("version", "worker", "tokens", "mean |Δ|", "KL (k3)", "|Δ| > 1", "ratio mean ± std"):
+        table.add_column(col)
+    shown = {v.version for v in view.versions[-GAP_SHOWN:]}
+    for row in [r for v in view.versions if v.version in shown
+                for r in (v, *(w for w in view.workers if w.version == v.version))]:
+        worker = "all" if row.worker == "*" else (row.worker or "(unnamed)")
+        if row.outlier:
+            worker = f"[bold red]{worker} (stands out)[/bold red]"
+        table.add_row(str(row.version), worker, str(row.tokens), f"{row.mean_abs:.3g}", f"{row.kl:.3g}",
+                      f"{row.over_1:.2%}", f"{row.ratio_mean:.4f} ± {row.ratio_std:.3g}")
+    console.print(table)
 
 
 def _render_scoring(status: PolicyStatus, console: Console) -> None:

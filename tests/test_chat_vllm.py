@@ -124,7 +124,9 @@ CASES = {
     "no-token-ids-tools": dict(return_token_ids=False, tools=TOOLS, tool_choice="none"),
 }
 IGNORED = {"id", "created", "model", "system_fingerprint"}  # present on both sides; values are the server's
-EXTENSIONS = {"policy_versions"}
+EXTENSIONS = {"policy_versions", "worker_id"}
+"""rollq's own keys of a choice: its version segments and the worker that served it (what a
+trainer reports its gap against, `queue/gap.py`)."""
 
 
 def assert_same(ours, theirs, path: str = "$") -> None:

@@ -255,9 +255,9 @@ async def test_openapi_lists_every_route_and_validates(make_gateway):
     validate(doc)
     documented = {(method.upper(), path) for path, ops in doc["paths"].items() for method in ops}
     assert documented == {(r.method, r.path) for r in ROUTES}
-    # 24 of rollq's own + 14 of vLLM's for TRL (gateway/trl_compat.py) + /tokenize, /detokenize
+    # 26 of rollq's own + 14 of vLLM's for TRL (gateway/trl_compat.py) + /tokenize, /detokenize
     # + /inference/v1/generate
-    assert len(documented) == 41
+    assert len(documented) == 43
 
 
 async def test_schemathesis_finds_no_server_error(make_gateway, make_worker, policy, tmp_path):

@@ -15,6 +15,7 @@ import pytest
 from redis.exceptions import NoPermissionError
 
 from rollq.client import RolloutClient
+from rollq.queue import gap
 from rollq.queue.keys import Keys
 from rollq.registry.retention import retain
 from rollq.scoring.queue import ScoringQueue
@@ -60,6 +61,15 @@ def _attacks(k: Keys) -> dict[str, list[tuple]]:
         "scoring-trainers": [(WRONG, "ZADD", k.scoring_trainers, 1, "x"),
                              (WRONG, "HSET", k.scoring_trainers, "x", 1),
                              (ENTRY, "SADD", k.scoring_trainers, JUNK, "a:b", "a~b")],
+        # The gap's readers (`queue/gap.py`: rollq status, the gateway) list and sum them.
+        "gap-trainers": [(WRONG, "ZADD", k.gap_trainers, 1, "x"), (WRONG, "HSET", k.gap_trainers, "x", 1),
+                         (ENTRY, "SADD", k.gap_trainers, JUNK, "a:b", "a~b", "bob", "alice")],
+        "own gap record": [(WRONG, "SADD", k.gap("alice"), "x"), (WRONG, "SET", k.gap("alice~x~y"), "x"),
+                           (WRONG, "XADD", k.gap("alice"), "*", "x", 1),
+                           (ENTRY, "SADD", k.gap_trainers, "alice"),
+                           (ENTRY, "HSET", k.gap("alice"), JUNK, 1, "1:w:n", "abc", "x:w:n", 1, "1:w:abs",
+                            "inf", "1:w:k3", -5, "1:w:x:n", 1, "2:w:n", 4, "2:w:abs", 2.0),
+                           (ENTRY, "HINCRBYFLOAT", k.gap("alice"), "2:w:r", 4.0)],
         "own work stream": [(WRONG, "SET", k.work("alice"), "x"), (WRONG, "HSET", k.work("alice"), "x", 1),
                             (WRONG, "SADD", k.work("alice~x~y"), "x"),
                             (ENTRY, "SADD", k.trainers, "alice", "alice~x~y")],
@@ -129,6 +139,10 @@ async def test_a_trainers_writes_to_a_key_others_read_stop_no_one(key, users, re
     assert all(":" not in q.trainer for q in status.queues + status.scoring)
     await retain(redis, keys, None, keep=1)  # (bob's bounded job is done: it leaves the listing)
     assert keys.job("bob", "bounded").encode() not in await _listed(redis, keys.bounded_jobs)
+    view = await gap.read(redis, keys)
+    assert all(":" not in w.worker and w.tokens > 0 for w in view.workers), view
+    if key == "own gap record":  # the well-formed figures alone
+        assert [(w.version, w.worker, w.tokens, w.mean_abs) for w in view.workers] == [(2, "w", 4, 0.5)]
     streams = await ScoringQueue(redis, keys, "s1", job_ttl_s=600).streams()
     assert all(keys.trainer_of_scoring(s) in ("alice", "bob") for s in streams), streams
 

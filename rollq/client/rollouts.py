@@ -45,9 +45,11 @@ from rollq import conversations
 from rollq.canary import Canary
 from rollq import images as imaging
 from rollq.client.episodes import Episodes
+from rollq.client.gap import tally_results
 from rollq.client.publishing import Publisher
 from rollq.conversations import Trajectory
-from rollq.queue import jobs
+from rollq.queue import gap, jobs
+from rollq.queue.gap import GapReported, Tally
 from rollq.config import default_weight_store
 from rollq.queue.connection import DEFAULT_URL, Backoff, connect
 from rollq.queue.jobs import JobStatus
@@ -154,6 +156,9 @@ class RolloutClient:
                                     self.trainer_id)
         self._auto_unacked: list[str] = []
         """Handed out by reads with ack="auto": acknowledged by this client's next read."""
+        self._gap_versions: dict[int, set[str]] | None = None
+        """The versions (and their workers) this trainer's gap record holds: read at its first
+        report, kept up to date by each (`queue/gap.write` drops the oldest beyond its cap)."""
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -633,6 +638,29 @@ class RolloutClient:
         segments, drift: `rollq.conversations.Trajectory`); None when there is none (or it
         expired, an hour after its last turn)."""
         return await self._retrying(conversations.trajectory, self, conversation_id)
+
+    async def report_logprobs(self, results: Iterable[GroupResult], trainer_logprobs: Sequence[Any]) -> GapReported:
+        """Report the trainer's own logprobs of the samples it trains on: the training-inference
+        gap, summed per policy version and worker (`rollq.queue.gap`; shown by `rollq status`,
+        `/metrics`, the dashboard and `GET .../gap`).
+
+        `results`: the GroupResults taken; `trainer_logprobs`: one entry per sample of them, in
+        order (result by result, sample by sample), each the trainer's logprob of every sampled
+        token (what TRL calls `old_per_token_logps`, verl `old_log_probs`; a list of floats or a
+        1-D tensor), or None for a sample not trained on. Each token counts for the version that
+        sampled it (`Sample.versions`) and the result's worker. One pipeline to Redis."""
+        tally, samples, tokens = tally_results(results, trainer_logprobs)
+        await self.record_gap(tally)
+        return GapReported(samples, tokens)
+
+    async def record_gap(self, tally: Tally) -> None:
+        """Add a tally (`queue/gap.tally_sample`) to this trainer's gap record (the gateway's
+        reports from HTTP trainers come here)."""
+        if not tally:
+            return
+        if self._gap_versions is None:
+            self._gap_versions = await gap.known_versions(self.redis, self.keys, self.trainer_id)
+        await gap.write(self.redis, self.keys, self.trainer_id, tally, self._gap_versions)
 
     def replay(self) -> None:
         """After a lost reply: the next read hands again the results delivered to this client

@@ -69,6 +69,10 @@ class SyncRolloutClient:
     def cancel(self, job_id: str) -> int:
         return self._call(self._client.cancel(job_id))
 
+    def report_logprobs(self, results: Iterable[GroupResult], trainer_logprobs: Any):
+        """`RolloutClient.report_logprobs`: the trainer's logprobs of the samples it trains on."""
+        return self._call(self._client.report_logprobs(results, trainer_logprobs))
+
     def conversation(self, conversation_id: str) -> Trajectory | None:
         return self._call(self._client.conversation(conversation_id))
 

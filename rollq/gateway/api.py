@@ -21,6 +21,7 @@ from rollq.client import RolloutClient
 from rollq.gateway import completions as oai
 from rollq.gateway.auth import Principal, allowed
 from rollq.gateway.http import JSON, ApiError, body_bytes, decode_body, read_body, reply, wants_msgpack
+from rollq.gateway.gap_view import GapReport, tally_report
 from rollq.gateway.pool_view import unobserved
 from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch,
                                   SubmitRequest, Submitted, VersionList, result_view, sample_view,
@@ -29,7 +30,8 @@ from rollq.gateway.state import GATEWAY, Gateway
 from rollq.gateway.streaming import completion_chunks, respond
 from rollq.images import from_data_url
 from rollq.protocol import GroupResult, Version, typed
-from rollq.queue import jobs
+from rollq.queue import gap, jobs
+from rollq.queue.gap import GapReported
 from rollq.queue.jobs import JobStatus
 from rollq.queue.keys import Keys
 from rollq.queue.results import ResultReader
@@ -311,8 +313,29 @@ async def _status(request: web.Request) -> PolicyStatus:
     """The policy's status; without the `observe` scope, only what is the token's own business
     (`pool_view.unobserved`): `observe` guards every trainer's names, counts and failures."""
     gw, policy, who = _context(request)
-    found = await policy_status(gw.redis, policy)
-    return found if gw.settings.public_observe or who.may("observe") else unobserved(found, who.trainer)
+    observer = gw.settings.public_observe or who.may("observe")
+    # The gap: every trainer's for an observer, else the token's own trainer's reports only.
+    found = await policy_status(gw.redis, policy, gap_of="" if observer else who.trainer)
+    return found if observer else unobserved(found, who.trainer)
+
+
+# --- the training-inference gap (queue/gap.py) ------------------------------------------------
+
+async def report_gap(request: web.Request) -> web.Response:
+    """The trainer's own logprobs of samples it trains on, added to its gap record."""
+    gw, policy, who = _context(request)
+    body = await read_body(request, GapReport)
+    tally, tokens = tally_report(body)
+    await gw.client(policy, who.trainer).record_gap(tally)
+    return reply(request, GapReported(len(body.samples), tokens))
+
+
+async def get_gap(request: web.Request) -> web.Response:
+    """The gap per version and worker: every trainer's with the `observe` scope, else the token's
+    own trainer's reports."""
+    gw, policy, who = _context(request)
+    only = None if gw.settings.public_observe or who.may("observe") else who.trainer
+    return reply(request, await gap.read(gw.redis, Keys(policy), only))
 
 
 # --- OpenAI-compatible -----------------------------------------------------------------------

@@ -25,7 +25,9 @@ from rollq.conversations import Trajectory
 from rollq.gateway.chat import ChatCompletionRequest, chat_completions, get_conversation
 from rollq.gateway.completions import CompletionRequest
 from rollq.gateway.http import BODY_BUDGET, BODY_TIMEOUT, ApiError, BodyBudget, bounded_bodies, errors
+from rollq.gateway.gap_view import GapReport
 from rollq.gateway.openapi import Param, openapi_document
+from rollq.queue.gap import GapReported, GapView
 from rollq.gateway.schema import (AckRequest, Acked, Cancelled, PublishRequest, ResultBatch, SubmitRequest,
                                   Submitted, VersionList, VersionView)
 from rollq.config import GatewaySettings
@@ -108,6 +110,12 @@ ROUTES = [
     Route("POST", f"{_P}/versions", api.publish_version, "Publish a version from a weights directory",
           "versions", body=PublishRequest, reply=VersionView, status=201, errors=(400, 401, 403, 409),
           scope="publish"),
+    Route("POST", f"{_P}/gap", api.report_gap,
+          "Report the trainer's own logprobs of samples it trains on (the training-inference gap)",
+          "gap", body=GapReport, reply=GapReported, errors=(400, 401, 403, 413)),
+    Route("GET", f"{_P}/gap", api.get_gap,
+          "The training-inference gap per version and worker (every trainer's with `observe`)", "gap",
+          reply=GapView),
     Route("GET", f"{_P}/workers", api.workers, "Live workers and their versions", "pool",
           reply=list[WorkerState]),
     Route("GET", f"{_P}/status", api.status, "Versions, workers and queue depths", "pool",

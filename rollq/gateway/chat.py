@@ -6,7 +6,7 @@ A request becomes one job of one group (the conversation, `n` samples), submitte
 template through vLLM's own renderer, so the gateway needs no tokenizer: token strings, text and
 prompt token ids all come back from the worker, and so do tool calls and reasoning (the
 worker runs vLLM's parsers: `rollq worker --enable-auto-tool-choice --tool-call-parser NAME`).
-The response has the keys of vLLM's `ChatCompletionResponse` plus rollq's `policy_versions` per
+The response has the keys of vLLM's `ChatCompletionResponse` plus rollq's `policy_versions` (and `worker_id`) per
 choice.
 """
 
@@ -240,7 +240,7 @@ def response(req: ChatCompletionRequest, job_id: str, r: GroupResult,
             if req.logprobs else None,
             finish_reason=_finish_reason(sample, tool_choice), stop_reason=sample.stop_reason,
             token_ids=sample.token_ids if req.return_token_ids else None, routed_experts=None,
-            policy_versions=[list(v) for v in sample.versions]))
+            policy_versions=[list(v) for v in sample.versions], worker_id=r.worker_id))
         if r.reward:  # a scored job's (rollq's own key, as policy_versions)
             choices[-1]["reward"] = r.rewards[index] if index < len(r.rewards) else None
     completion_tokens = sum(len(s.tokens) // 4 for s in r.samples)

@@ -4,7 +4,8 @@ A completion request becomes one rollq job (one group per prompt, `n` samples ea
 as the trainer `<token's trainer>~completions~<gateway id>` (`derived_trainer_id`); a router
 reads that trainer's result stream and hands each group to the request waiting for its job. Choices come
 prompt-major (all n of prompt 0, then prompt 1, ...), and each says which policy versions
-produced it (`policy_versions`, as rollq's version segments).
+produced it (`policy_versions`, as rollq's version segments) and which worker (`worker_id`:
+what a trainer reports the training-inference gap against, `queue/gap.py`).
 """
 
 from __future__ import annotations
@@ -317,7 +318,7 @@ def response(req: CompletionRequest, job_id: str, results: list[GroupResult], pr
                           finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
                           prompt_token_ids=prompt_ids if req.return_token_ids else None,
                           token_ids=ids if req.return_token_ids else None, routed_experts=None,
-                          policy_versions=[list(v) for v in sample.versions])
+                          policy_versions=[list(v) for v in sample.versions], worker_id=r.worker_id)
             if r.reward:  # a scored job's (rollq's own key, as policy_versions)
                 choice["reward"] = r.rewards[j] if j < len(r.rewards) else None
             choices.append(choice)

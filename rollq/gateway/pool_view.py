@@ -28,7 +28,11 @@ from redis.exceptions import RedisError
 from rollq.protocol import DERIVED_SEPARATOR
 from rollq.queue.keys import Keys
 from rollq.queue.names import DeadField
+from rollq.gateway import gap_view
+from rollq.gateway.gap_view import GAP_EVERY_S
 from rollq.gateway.scoring_view import ScoringView, metric_families
+from rollq.queue import gap
+from rollq.queue.gap import GapView
 from rollq.status import PolicyStatus, policies, policy_status
 from rollq.queue.workers import LAG_BUCKETS, Totals, WorkerState
 
@@ -68,6 +72,9 @@ class PolicyView:
     results: dict[str, int] = field(default_factory=dict)
     """Trainer -> results written to its result stream (as kept: a stream dropped unread goes)."""
     scoring: ScoringView = field(default_factory=ScoringView)
+    gap: GapView = field(default_factory=GapView)
+    """The trainers' reported gap, as last read (every GAP_EVERY_S)."""
+    gap_at: float = 0.0
 
     def update(self, status: PolicyStatus, dead: list[dict], written: dict[str, int], now: float,
                keys: Keys) -> None:
@@ -145,9 +152,11 @@ class PoolSampler:
         names = self.only or await policies(self.redis)
         now = time.time()
         for name in names:
-            status = await policy_status(self.redis, name)
+            status = await policy_status(self.redis, name, gap_of=None)
             keys = Keys(name)
             view = self.views.setdefault(name, PolicyView())
+            if now - view.gap_at >= GAP_EVERY_S:
+                view.gap, view.gap_at = await gap.read(self.redis, keys), now
             counts = await self.redis.hgetall(keys.results_written)
             written = {k.decode(): int(v) for k, v in counts.items()}
             view.update(status, await self._dead_letters(name), written, now, keys)
@@ -183,6 +192,7 @@ class PoolSampler:
              ["policy", "trainer"]),
         )}
         scoring = metric_families()
+        gaps = gap_view.metric_families()
         groups = CounterMetricFamily("rollq_groups", "Terminal group results, by status.",
                                      labels=["policy", "status"])
         counters = {name: CounterMetricFamily(f"rollq_{name}", f"Pool total of {name.replace('_', ' ')}.",
@@ -211,6 +221,7 @@ class PoolSampler:
             for trainer, count in view.results.items():
                 g["results_written"].add_metric([policy, trainer], count)
             view.scoring.families(policy, scoring)
+            gap_view.add_metrics(gaps, policy, view.gap, s.workers)
             for status, count in view.groups.items():
                 groups.add_metric([policy, status], count)
             for name in _COUNTERS:
@@ -223,6 +234,7 @@ class PoolSampler:
         yield swap_s
         yield lag
         yield from scoring.values()
+        yield from gaps.values()
 
     # --- Dashboard -----------------------------------------------------------------------------
 
@@ -242,8 +254,10 @@ class PoolSampler:
                             scoring_waiting=[p.scoring_waiting for p in points],
                             scoring_running=[p.scoring_running for p in points]),
                 workers=[dict(id=w.worker_id, version=w.version, state=w.state, inflight=w.inflight,
-                              pinned=w.pinned, last_error=w.last_error, age_s=round(time.time() - w.at, 1))
+                              pinned=w.pinned, last_error=w.last_error, age_s=round(time.time() - w.at, 1),
+                              canary=gap_view.canary_of(w))
                          for w in s.workers],
+                gap=gap_view.dashboard(view.gap),
                 queues=[msgspec.structs.asdict(q) for q in s.queues],
                 groups=dict(view.groups), tokens=view.counters["tokens"], results=view.results,
                 scorers=[dict(id=c.scorer_id, rewards=c.rewards, inflight=c.inflight, scored=c.scored,
@@ -265,16 +279,18 @@ def _buckets(lag: collections.Counter) -> list[tuple[str, int]]:
 
 
 def unobserved(status: PolicyStatus, trainer: str) -> PolicyStatus:
-    """`status` as a token without the `observe` scope sees it: versions, the workers' versions
-    and states, and only its own trainer's queues (its derived ids' too: its episodes and
-    completions); no other trainer's name or counts, no worker's last error or totals (their
-    failures name other trainers' jobs and reasons)."""
+    """`status` as a token without the `observe` scope sees it: versions, the workers' versions,
+    states and canary checks, and only its own trainer's queues (its derived ids' too: its
+    episodes and completions); no other trainer's name or counts, no worker's last error or
+    totals (their failures name other trainers' jobs and reasons). Its `gap` as read: the caller
+    reads the token's own trainer's (`policy_status(gap_of=trainer)`)."""
     mine = [q for q in status.queues
             if q.trainer == trainer or q.trainer.startswith(trainer + DERIVED_SEPARATOR)]
     return PolicyStatus(status.policy, status.latest, status.versions,
                         [unobserved_worker(w) for w in status.workers], mine, status.scorers,
                         [q for q in status.scoring
-                         if q.trainer == trainer or q.trainer.startswith(trainer + DERIVED_SEPARATOR)])
+                         if q.trainer == trainer or q.trainer.startswith(trainer + DERIVED_SEPARATOR)],
+                        status.gap)
 
 
 def unobserved_worker(w: WorkerState) -> WorkerState:

@@ -16,6 +16,9 @@ which a shared pool cannot take. `RollqVLLMClient` is TRL's client with the weig
   `reward_inputs` and `reward_errors` as `RolloutClient.submit` takes them) has the pool's
   `rollq scorer`s score every completion with the operator's reward `name`; `rollq_rewards(client)`
   is a TRL reward function that gives each completion that reward.
+- the training-inference gap: `RollqGRPOTrainer` reports TRL's recomputed logprobs of each
+  batch (`old_per_token_logps`) against the served ones, per version and worker, to the
+  gateway's `POST /v1/policies/{p}/gap` (`report_gap`; rollq's `queue/gap.py` sums them).
 - `_format_sequence_logprobs`: tokens outside the top N carry rank null in `prompt_logprobs`
   from workers older than `Sample.token_ranks`; they are ordered after the ranked ones.
 
@@ -31,6 +34,7 @@ Everything else (`generate`'s payload, logprob parsing, `reset_prefix_cache`) is
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +49,7 @@ from trl import GRPOTrainer
 from trl.generation import vllm_generation
 from trl.generation.vllm_client import VLLMClient
 
+logger = logging.getLogger("rollq.integrations.trl")
 WINDOW_FIELDS = ("exact_version", "min_version", "max_version", "max_staleness")
 
 
@@ -65,6 +70,7 @@ class Generation:
     completion_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
     rewards: list[float | None] = field(default_factory=list)
+    worker_ids: list[str] = field(default_factory=list)
 
     def add(self, choice: dict, prompt_ids: list[int] | None) -> None:
         self.prompt_ids.append(choice.get("prompt_token_ids") or prompt_ids or [])
@@ -74,6 +80,7 @@ class Generation:
         self.logprobs.append([e["logprob"] for e in lp["content"]] if "content" in lp
                              else lp.get("token_logprobs", []))
         self.rewards.append(choice.get("reward"))
+        self.worker_ids.append(choice.get("worker_id") or "")
 
 
 class RollqVLLMClient(VLLMClient):
@@ -190,6 +197,38 @@ class RollqVLLMClient(VLLMClient):
                     serving.add(choice, reply.get("prompt_token_ids"))  # chat: one per reply
         return reply
 
+    # --- the training-inference gap -------------------------------------------------------------
+
+    def report_gap(self, completion_ids: list[list[int]], trainer_logprobs: list[list[float]]) -> int:
+        """Report the trainer's logprobs of completions this client generated (matched by token
+        ids among its recent calls, as `rollq_rewards` does) to the gateway's `.../gap`, with each
+        one's worker, version segments and served logprobs; returns the samples reported. A
+        completion not found (or of another length) is left out. A failed report is logged, not
+        raised: the gap is a figure to watch, never a reason to stop training."""
+        served: dict[tuple[int, ...], list[tuple[str, list, list[float]]]] = {}
+        for g in reversed(list(self.generations)):  # the newest call's first
+            for ids, worker, versions, logprobs in zip(g.completion_ids, g.worker_ids, g.policy_versions,
+                                                      g.logprobs):
+                served.setdefault(tuple(ids), []).append((worker, versions, logprobs))
+        samples = []
+        for ids, theirs in zip(completion_ids, trainer_logprobs):
+            found = served.get(tuple(ids))
+            if not found or not ids:
+                continue
+            worker, versions, logprobs = found.pop(0)
+            if len(logprobs) == len(theirs) and versions:
+                samples.append(dict(worker_id=worker, policy_versions=[list(v) for v in versions],
+                                    rollout_logprobs=logprobs, trainer_logprobs=theirs))
+        if not samples:
+            return 0
+        try:
+            r = self.session.post(f"{self.base_url}/v1/policies/{self.model}/gap", json=dict(samples=samples))
+            r.raise_for_status()
+        except requests.RequestException as e:
+            logger.warning("rollq: the gap report of %d samples failed: %s", len(samples), e)
+            return 0
+        return len(samples)
+
     @staticmethod
     def _format_sequence_logprobs(choice: dict, sequence: list[int], prompt_length: int, top_logprobs: int):
         unranked = 1 << 62  # rank null: outside the top N, after every ranked entry
@@ -250,9 +289,23 @@ class RollqGRPOTrainer(GRPOTrainer):
     `use_vllm=True, vllm_mode="server", vllm_server_base_url=<gateway>`."""
 
     def __init__(self, *args: Any, publisher: Any, api_key: str | None = None, keep: int | None = None,
-                 **kwargs: Any):
+                 report_gap: bool = True, **kwargs: Any):
         with serve_from_rollq(publisher, api_key=api_key, keep=keep):
             super().__init__(*args, **kwargs)
+        self.report_gap = report_gap
+        """Report the trainer's recomputed logprobs of each batch (`old_per_token_logps`, which TRL
+        computes with `vllm_importance_sampling_correction`, its default) to rollq's gap."""
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict:
+        # TRL holds its own recomputed logprobs and the served completions together only here.
+        output = super()._generate_and_score_completions(inputs)
+        old = output.get("old_per_token_logps")
+        client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)
+        if self.report_gap and old is not None and isinstance(client, RollqVLLMClient):
+            mask = output["completion_mask"].bool()
+            ids = [row[m].tolist() for row, m in zip(output["completion_ids"], mask)]
+            client.report_gap(ids, [row[m].float().tolist() for row, m in zip(old.detach().cpu(), mask.cpu())])
+        return output
 
     @property
     def rollq_client(self) -> RollqVLLMClient:

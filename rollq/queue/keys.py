@@ -264,6 +264,21 @@ class Keys:
         keeps (entries of expired episodes are dropped by the retention that finds them gone)."""
         return f"{self._p}:episodes"
 
+    def gap(self, trainer: str) -> str:
+        """Hash `<version>:<worker>:<figure>` -> a running sum: the training-inference gap this
+        trainer reported of the samples it trained on (`queue/gap.py`: tokens, sum of |Δ logprob|,
+        of k3, tokens with |Δ| > 1, of the importance ratio and of its square). The trainer's
+        own key, so its Redis user may write it (HINCRBY, HINCRBYFLOAT, HDEL); it keeps the newest
+        `gap.GAP_VERSIONS` versions the trainer reported and expires `gap.GAP_TTL_S` after its
+        last report."""
+        return f"{self._p}:gap:{trainer}"
+
+    @property
+    def gap_trainers(self) -> str:
+        """Set of trainers that reported a gap (`gap(trainer)`): whose records its readers sum
+        (`rollq status`, the gateway). Not pruned: a member whose record expired reads as empty."""
+        return f"{self._p}:gap-trainers"
+
     @property
     def every_key(self) -> str:
         """Glob pattern matching every key of the policy (ACL rules, scans)."""

@@ -237,6 +237,23 @@ class Reply(StrEnum):
     """episode: it was ended."""
 
 
+class GapField(StrEnum):
+    """The figures of one (version, worker) in a trainer's gap record (`Keys.gap`), each a
+    running sum; a field is `<version>:<worker>:<figure>`. Not used by any script."""
+
+    TOKENS = "n"
+    ABS = "abs"
+    """Sum of |Δ logprob|, Δ = trainer - behaviour."""
+    K3 = "k3"
+    """Sum of Schulman's k3, r - 1 - log r, r = exp(Δ)."""
+    OVER = "over1"
+    """Tokens with |Δ| > 1."""
+    RATIO = "r"
+    """Sum of the importance ratio r = exp(Δ)..."""
+    RATIO_SQ = "r2"
+    """...and of its square (the ratio's spread)."""
+
+
 LUA_PREFIXES: dict[str, type[StrEnum]] = {
     "GROUP": Group, "WORK": WorkField, "RESULT": ResultField, "DEAD": DeadField, "EVENT": EventField,
     "STATE": JobState, "JOB": JobField, "REPLY": Reply, "EPISODE": EpisodeField,

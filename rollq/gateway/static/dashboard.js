@@ -82,17 +82,55 @@ function tiles(p) {
     ([k, v]) => `<div class="tile" data-name="${text(k)}"><b>${text(v)}</b>${text(k)}</div>`).join("");
 }
 
+// A worker's latest version canary check: a refusal colours its whole row.
+function canary(c) {
+  if (!c) return "–";
+  const word = c.accepted ? "accepted" : "REFUSED";
+  return `<span class="canary ${c.accepted ? "accepted" : "refused"}">v${c.version}${c.adapter ? " (adapter)" : ""} ${word}</span>
+    max |Δ| ${fmt(c.max_abs, 4)} (≤ ${c.tolerance.max_abs}), mean ${fmt(c.mean_abs, 5)}, k3 ${Number(c.kl).toExponential(1)}`;
+}
+
 function tables(p) {
-  const w = p.workers.map((x) => `<tr><td>${text(x.id)}${x.pinned ? " (pinned)" : ""}</td><td>v${x.version}</td>
+  const w = p.workers.map((x) => `<tr class="${x.canary && !x.canary.accepted ? "refused" : ""}" data-worker="${text(x.id)}">
+    <td>${text(x.id)}${x.pinned ? " (pinned)" : ""}</td><td>v${x.version}</td>
     <td><span class="state ${text(x.state)}">${text(x.state)}</span></td><td>${x.inflight} in flight</td>
-    <td>${text(x.last_error || "")}</td></tr>`);
+    <td>${canary(x.canary)}</td><td>${text(x.last_error || "")}</td></tr>`);
   document.getElementById("workers").innerHTML =
-    "<tr><th>worker</th><th>version</th><th>state</th><th>load</th><th>last error</th></tr>" +
-    (w.join("") || '<tr><td class="empty" colspan="5">no live workers</td></tr>');
+    "<tr><th>worker</th><th>version</th><th>state</th><th>load</th><th>canary</th><th>last error</th></tr>" +
+    (w.join("") || '<tr><td class="empty" colspan="6">no live workers</td></tr>');
   const f = p.failures.map((x) => `<tr><td>${new Date(x.at * 1000).toLocaleTimeString()}</td>
     <td>${text(x.status)}</td><td>${text(x.job_id)}${x.group_index >= 0 ? "/" + x.group_index : ""}</td>
     <td>${text(x.reason)}</td></tr>`);
   document.getElementById("failures").innerHTML = f.join("") || '<tr><td class="empty">none</td></tr>';
+}
+
+// The gap trainers reported: a line per worker over versions, and a table where a worker that
+// disagrees with the version's others stands out.
+function gap(p) {
+  const g = p.gap, on = g.versions.length > 0;
+  document.querySelectorAll(".gap").forEach((el) => { el.hidden = !on; });
+  if (!on) return;
+  const xs = g.versions.map((v) => v.version);
+  const names = [...new Set(g.workers.map((r) => r.worker))].slice(0, COLORS.length);
+  const at = (worker) => xs.map((v) => { const r = g.workers.find((x) => x.version === v && x.worker === worker);
+                                         return r ? r.mean_abs : null; });
+  chart("gap-chart", [{label: "all workers", stroke: "#1d2330", width: 2},
+                      ...names.map((n, i) => ({label: n || "(unnamed)", stroke: COLORS[i], width: 1.5,
+                                               points: {show: true}}))],
+        [xs, g.versions.map((v) => v.mean_abs), ...names.map(at)],
+        {scales: {x: {time: false}}, axes: [{label: "version"}, {label: "mean |Δ logprob|"}]});
+  const rows = [];
+  for (const v of [...g.versions].reverse()) {
+    for (const r of [v, ...g.workers.filter((x) => x.version === v.version)]) {
+      rows.push(`<tr class="${r.outlier ? "outlier" : ""}" data-version="${r.version}" data-worker="${text(r.worker)}">
+        <td>v${r.version}</td><td>${r.worker === "*" ? "<b>all</b>" : text(r.worker || "(unnamed)")}${r.outlier ? " ⚠ stands out" : ""}</td>
+        <td>${r.tokens}</td><td>${fmt(r.mean_abs, 4)}</td><td>${Number(r.kl).toExponential(2)}</td>
+        <td>${(100 * r.over_1).toFixed(2)}%</td><td>${fmt(r.ratio_mean, 4)} ± ${fmt(r.ratio_std, 4)}</td></tr>`);
+    }
+  }
+  document.getElementById("gap").innerHTML =
+    "<tr><th>version</th><th>worker</th><th>tokens</th><th>mean |Δ|</th><th>KL (k3)</th><th>|Δ| &gt; 1</th><th>ratio mean ± std</th></tr>" +
+    rows.join("");
 }
 
 function draw(p) {
@@ -116,6 +154,7 @@ function draw(p) {
                 {label: "samples"}]});
   tiles(p);
   tables(p);
+  gap(p);
   scoring(p);
 }
 
