@@ -194,3 +194,91 @@ async def test_a_keep_swap_refused_hands_its_frozen_groups_back(follower, make_c
         assert sample.versions == [(1, 0)], sample.versions
         reference_of.check(r.prompt_ids, sample)
     assert worker.engine.version == 1
+
+
+@pytest.fixture(scope="module")
+async def second_engine(tiny_model):
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate(), version=1)
+    yield engine
+    await engine.close()
+
+
+async def test_a_worker_loading_wrong_bytes_shows_everywhere_and_its_gap_stands_out(
+        make_worker, engine_v1, second_engine, tiny_model, make_client, make_gateway, redis_url,
+        tmp_path, policy):
+    """Acceptance 2 of issue 41 with real workers: two vLLM workers follow the registry, one made
+    to load wrong bytes (`VersionFollower.spoil`: its checked copy's layer 1 scaled by 1.01).
+    v2, published with its canary, is refused by that worker alone: its figures show on
+    /metrics, the dashboard (headless chromium), /workers and `rollq status` from its beat.
+    v3, published without one, is served by both, the bad worker on its wrong bytes: the
+    trainer's report of its own logprobs makes that worker stand out in the gap."""
+    from test_gap_gateway import CHROMIUM, _dom, _metrics, _status_cli
+
+    from models import token_logprobs
+
+    if second_engine.version != 1:
+        await second_engine.swap(1, str(tiny_model))
+    schema = dir_schema(tiny_model)
+    good, _ = make_worker("good", engine=engine_v1, base_schema=schema, max_inflight=4)
+    bad, _ = make_worker("bad", engine=second_engine, base_schema=schema, max_inflight=4)
+    await wait_until(lambda: bad.follower is not None, what="the bad worker following")
+
+    def layer_1_scaled(version, snapshot):
+        from safetensors.torch import load_file, save_file
+
+        for path in snapshot.glob("*.safetensors"):
+            tensors = load_file(path)
+            save_file(scaled_layer(tensors), path, metadata={"format": "pt"})
+
+    bad.follower.spoil = layer_1_scaled
+    gw = await make_gateway(policies=[policy])
+    trainer = make_client("alice", weight_store=str(tmp_path / "store"))
+    base = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    weights = {k: v.clone() for k, v in base.state_dict().items()}
+    models = {2: trainer_model(base.config, perturbed(weights, 2)),
+              3: trainer_model(base.config, perturbed(weights, 3))}
+    await trainer.publish_weights(2, models[2], canary=True)
+    await wait_until(lambda: good.engine.version == 2 and 2 in bad.versions.cannot_load, timeout_s=60,
+                     what="v2 accepted by the good worker, refused by the bad one")
+    labels = lambda worker, version: (("policy", policy), ("version", str(version)), ("worker", worker))  # noqa: E731
+    import aiohttp
+
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http:
+        async def metrics():
+            async with http.get("/metrics") as r:
+                m = _metrics(await r.text())
+            return m if ("rollq_worker_canary_refused", labels("bad", 2)) in m else None
+
+        m = await wait_until(metrics, timeout_s=15, what="the refusal on /metrics")
+        assert m["rollq_worker_canary_refused", labels("bad", 2)] == 1
+        assert m["rollq_worker_canary_refused", labels("good", 2)] == 0
+        assert m["rollq_worker_canary_max_abs", labels("bad", 2)] > 10 * F32.max_abs
+        async with http.get(f"/v1/policies/{policy}/workers") as r:
+            workers = {w["worker_id"]: w for w in await r.json()}
+        assert workers["bad"]["version"] == 1 and not workers["bad"]["canaries"][-1]["verdict"]["accepted"]
+    if CHROMIUM:
+        dom = await _dom(f"{gw.url}/?policy={policy}#token={gw.tokens['alice']}")
+        assert '<tr class="refused" data-worker="bad">' in dom and "v2 REFUSED" in dom
+    out = await _status_cli(redis_url, policy)
+    assert "REFUSED" in out and "bad" in out, out
+
+    # v3 without a canary: the bad worker serves its wrong bytes, and the gap tells.
+    await trainer.publish_weights(3, models[3])
+    await wait_until(lambda: good.engine.version == 3 and bad.engine.version == 3, timeout_s=60,
+                     what="both on v3")
+    await trainer.submit([[1, 7 + 13 * i, 3 + i] for i in range(16)], n=2,
+                         sampling={"temperature": 1.0, "max_tokens": 16, "logprobs": 0}, min_version=3)
+    results = await collect(trainer, 16, timeout_s=120)
+    assert {r.worker_id for r in results} == {"good", "bad"}
+    mine = [token_logprobs(models[3], r.prompt_ids, s.token_ids) for r in results for s in r.samples]
+    await trainer.report_logprobs(results, mine)
+    from rollq.queue.gap import read
+
+    view = await read(trainer.redis, trainer.keys)
+    rows = {w.worker: w for w in view.workers if w.version == 3}
+    print({w: (round(r.mean_abs, 6), r.outlier) for w, r in rows.items()})
+    assert rows["bad"].outlier and not rows["good"].outlier
+    assert rows["good"].mean_abs < 1e-4 < rows["bad"].mean_abs
