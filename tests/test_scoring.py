@@ -432,3 +432,30 @@ async def test_the_dashboard_is_valid_json_whatever_the_tallies_hold(make_gatewa
     assert (figures["nan"]["mean"], figures["nan"]["std"], figures["nan"]["rewards"]) == (None, None, 4)
     assert (figures["big"]["mean"], figures["big"]["std"]) == (None, None)
     assert set(found["series"]["rewards"]["nan"]["mean"]) == {None}
+
+
+async def test_a_scorer_started_while_redis_is_away_waits_for_it(tmp_path, policy):
+    """`rollq chaos` restarts a killed scorer, sometimes while Redis restarts too: its first beat
+    must wait for Redis, as a worker's claims do (it exited with 1, ConnectionError, before the
+    fix of f80e087; seen failing with that retry loop removed)."""
+    from rollq.harness.faults import RedisProcess
+
+    server = RedisProcess(tmp_path / "redis", aof=False)  # its port reserved, not started yet
+    redis = connect(server.url)
+    scorer = Scorer(redis, Keys(policy), find_rewards(scoring_fixtures.REWARDS),
+                    ChildPool(scoring_fixtures.REWARDS, 1), scorer_id="s-early", lease_s=5.0)
+    running = asyncio.create_task(scorer.run())
+    try:
+        await asyncio.sleep(1.5)  # several tries of its first beat
+        assert not running.done(), running.exception()
+        server.start()
+        async def beating():
+            return "s-early" in {s.scorer_id for s in await live_scorers(redis, Keys(policy))}
+
+        await wait_until(beating, timeout_s=20, what="the scorer's first beat")
+    finally:
+        scorer.stop()
+        await asyncio.wait_for(asyncio.gather(running, return_exceptions=True), 30)
+        await redis.aclose()
+        server.stop()
+
