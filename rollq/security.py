@@ -17,10 +17,11 @@ script declares it, and Redis checks declared keys as read-write), add junk memb
 shared sets (skipped by their readers), list or unlist episode keys in the policy's episode
 listing (another trainer's episode then loses its version's protection from retention), name
 routed streams (workers read them: at worst an empty stream), choose its own image budget (its
-client passes it, as its quotas), read every worker's and scorer's heartbeat, write any figures into its own record of the
-training-inference gap (they count in the policy's gap, as its reports do), and run Lua:
-scripts are ACL-checked command by command, but a script that never ends blocks Redis for
-everyone until SCRIPT KILL. Trainers you do not trust get the gateway (bearer tokens), not Redis.
+client passes it, as its quotas), read every worker's and scorer's heartbeat, write any figures
+into its own record of the training-inference gap (they count in the policy's gap, as its
+reports do), and run Lua: scripts are ACL-checked command by command, but a script that never
+ends blocks Redis for everyone until SCRIPT KILL. Trainers you do not trust get the gateway
+(bearer tokens), not Redis.
 """
 
 from __future__ import annotations
@@ -101,12 +102,13 @@ def trainer_acl(policy: str, trainer: str, password: str, *, publisher: bool = F
 
     The submit script adds the trainer to the trainers workers claim from (a set) and a job with
     an upper bound to the bounded jobs retention looks at (a sorted set; or a set an older rollq
-    left: SADD there too, both types are read); a scored submit lists the trainer for
-    the scorers (a set), and a gap report lists it for the gap's readers (a set); episodes also list themselves for retention (a sorted set) and name
-    routed streams (a hash). Each shared key takes only the commands of its type (SADD, ZADD and
-    ZREM, HSET): nothing lets a trainer remove another from the sets, and nothing it adds stops
-    their readers (`queue/members.py`). Its images are its own keys (`Keys.image(trainer, ...)`):
-    no other trainer reads, overwrites or expires them.
+    left: SADD there too, both types are read); a scored submit lists the trainer for the
+    scorers (a set), and a gap report lists it for the gap's readers (a set); episodes also list
+    themselves for retention (a sorted set) and name routed streams (a hash). Each shared key
+    takes only the commands of its type (SADD, ZADD and ZREM, HSET): nothing lets a trainer
+    remove another from the sets, and nothing it adds stops their readers (`queue/members.py`).
+    Its images are its own keys (`Keys.image(trainer, ...)`): no other trainer reads, overwrites
+    or expires them.
     A publisher changes what every trainer's samples are made with: it is trusted with the
     whole policy's keys (retention reads other trainers' job windows and the workers' pins).
     """

@@ -137,7 +137,7 @@ async def test_wrong_versions_are_refused_and_the_previous_one_serves(follower, 
         from rollq.canary import reference
 
         await trainer.publish_weights(version, stored, canary=reference(model))
-        await wait_until(lambda: version in worker.versions.cannot_load, timeout_s=60,
+        await wait_until(lambda version=version: version in worker.versions.cannot_load, timeout_s=60,
                          what=f"v{version} ({what}) refused: serving {worker.engine.version}, "
                               f"{worker.versions.last_error}")
         checks = await wait_until(lambda: _checks(trainer), what="the refusal in the heartbeat")

@@ -36,7 +36,8 @@ def _close(row: gap.GapFigures, expected: dict) -> None:
         assert math.isclose(getattr(row, name), expected[name], rel_tol=1e-9, abs_tol=1e-12), (name, row)
 
 
-def _result(worker: str, versions: list[tuple[int, int]], behaviour: list[float], job: str = "j") -> GroupResult:
+def _result(worker: str, versions: list[tuple[int, int]], behaviour: list[float],
+            job: str = "j") -> GroupResult:
     sample = Sample(tokens=pack_tokens(list(range(len(behaviour)))), logprobs=pack_floats(behaviour),
                     finish_reason="length", versions=versions)
     return GroupResult(job, 0, "ok", samples=[sample], worker_id=worker)

@@ -26,7 +26,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _sample(worker: str, versions: list[list[int]], rollout: list[float], trainer: list[float]) -> dict:
-    return dict(worker_id=worker, policy_versions=versions, rollout_logprobs=rollout, trainer_logprobs=trainer)
+    return dict(worker_id=worker, policy_versions=versions, rollout_logprobs=rollout,
+                trainer_logprobs=trainer)
 
 
 def _metrics(text: str) -> dict[tuple[str, tuple], float]:
@@ -61,12 +62,12 @@ async def test_an_http_trainer_reports_and_reads_the_gap(make_gateway, make_clie
                 assert r.status == 400 and (await r.json())["error"]["field"] == field, await r.text()
         async with http.get(f"/v1/policies/{policy}/status") as r:
             status = await r.json()
-    async with aiohttp.ClientSession(gw.url, headers=gw.headers("mallory")) as http:
-        async with http.post(f"/v1/policies/{policy}/gap", json=body) as r:
-            assert r.status == 403
-    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http:
-        async with http.get(f"/v1/policies/{policy}/gap") as r:
-            every = await r.json()
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("mallory")) as http, \
+            http.post(f"/v1/policies/{policy}/gap", json=body) as r:
+        assert r.status == 403
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers("alice")) as http, \
+            http.get(f"/v1/policies/{policy}/gap") as r:
+        every = await r.json()
     # bob sees his own reports only: v1 on w1 (Δ -0.5), v2 on w1 (+0.5) and w2 (0).
     rows = {(w["version"], w["worker"]): w for w in mine["workers"]}
     assert {k: (w["tokens"], w["mean_abs"]) for k, w in rows.items()} == \
@@ -82,7 +83,8 @@ async def _beat(redis, policy: str, worker: str, check: CanaryCheck | None, vers
 
 
 def _check(version: int, accepted: bool, max_abs: float, mean_abs: float, kl: float) -> CanaryCheck:
-    verdict = Verdict(accepted=accepted, max_abs=max_abs, mean_abs=mean_abs, kl=kl, tokens=1016, worst=(3, 17),
+    verdict = Verdict(accepted=accepted, max_abs=max_abs, mean_abs=mean_abs, kl=kl, tokens=1016,
+                      worst=(3, 17),
                       tolerance=TOLERANCES["float32"], dtype="float32")
     return CanaryCheck(version=version, verdict=verdict, at=time.time())
 
@@ -126,7 +128,8 @@ async def test_a_refused_canary_and_a_worker_that_disagrees_show_everywhere(
             async with http.get(f"/v1/policies/{policy}/workers", headers=gw.headers(trainer)) as r:
                 workers = {w["worker_id"]: w for w in await r.json()}
             [check] = workers["bad"]["canaries"]
-            assert (check["version"], check["verdict"]["accepted"], check["verdict"]["max_abs"]) == (3, False, 0.34)
+            verdict = check["verdict"]
+            assert (check["version"], verdict["accepted"], verdict["max_abs"]) == (3, False, 0.34)
         async with http.get("/api/dashboard") as r:
             p = (await r.json())["policies"][policy]
         shown_workers = {w["id"]: w for w in p["workers"]}

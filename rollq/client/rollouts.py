@@ -639,7 +639,8 @@ class RolloutClient:
         expired, an hour after its last turn)."""
         return await self._retrying(conversations.trajectory, self, conversation_id)
 
-    async def report_logprobs(self, results: Iterable[GroupResult], trainer_logprobs: Sequence[Any]) -> GapReported:
+    async def report_logprobs(self, results: Iterable[GroupResult],
+                              trainer_logprobs: Sequence[Any]) -> GapReported:
         """Report the trainer's own logprobs of the samples it trains on: the training-inference
         gap, summed per policy version and worker (`rollq.queue.gap`; shown by `rollq status`,
         `/metrics`, the dashboard and `GET .../gap`).

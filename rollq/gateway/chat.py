@@ -6,8 +6,8 @@ A request becomes one job of one group (the conversation, `n` samples), submitte
 template through vLLM's own renderer, so the gateway needs no tokenizer: token strings, text and
 prompt token ids all come back from the worker, and so do tool calls and reasoning (the
 worker runs vLLM's parsers: `rollq worker --enable-auto-tool-choice --tool-call-parser NAME`).
-The response has the keys of vLLM's `ChatCompletionResponse` plus rollq's `policy_versions` (and `worker_id`) per
-choice.
+The response has the keys of vLLM's `ChatCompletionResponse` plus rollq's `policy_versions`
+(and `worker_id`) per choice.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The training-inference gap as the gateway takes it (an HTTP trainer's report: `GapReport`,
-handled in `api.py`) and shows it (`queue/gap.py`), with the workers' version canary checks (`WorkerState.canaries`): Prometheus families and the
-dashboard's parts. The sampler (`pool_view.py`) reads the gap every GAP_EVERY_S; the canaries come
-with the heartbeats it reads each second, so a refusal shows within one heartbeat."""
+handled in `api.py`) and shows it (`queue/gap.py`), with the workers' version canary checks
+(`WorkerState.canaries`): Prometheus families and the dashboard's parts. The sampler
+(`pool_view.py`) reads the gap every GAP_EVERY_S; the canaries come with the heartbeats it reads
+each second, so a refusal shows within one heartbeat."""
 
 from __future__ import annotations
 

@@ -304,7 +304,8 @@ class RollqGRPOTrainer(GRPOTrainer):
         if self.report_gap and old is not None and isinstance(client, RollqVLLMClient):
             mask = output["completion_mask"].bool()
             ids = [row[m].tolist() for row, m in zip(output["completion_ids"], mask)]
-            client.report_gap(ids, [row[m].float().tolist() for row, m in zip(old.detach().cpu(), mask.cpu())])
+            client.report_gap(ids, [row[m].float().tolist()
+                                    for row, m in zip(old.detach().cpu(), mask.cpu())])
         return output
 
     @property

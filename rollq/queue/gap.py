@@ -250,8 +250,8 @@ def _add(into: dict[tuple[int, str], Sums], key: str, record: dict[bytes, bytes]
             continue
         version, worker, figure = parsed
         s = into.setdefault((version, worker), Sums())
-        setattr(s, attr[figure], getattr(s, attr[figure]) + (int(value) if figure in (GapField.TOKENS, GapField.OVER)
-                                                             else value))
+        counted = int(value) if figure in (GapField.TOKENS, GapField.OVER) else value
+        setattr(s, attr[figure], getattr(s, attr[figure]) + counted)
 
 
 async def read(redis: Redis, keys: Keys, only: str | None = None) -> GapView:
