@@ -198,6 +198,38 @@ async def test_wrong_adapters_are_refused_with_a_reason_and_the_worker_keeps_ser
     await wait_until(lambda: 1 in worker.adapters.loaded, what="adapter 1 still loaded")
 
 
+async def test_an_adapter_version_with_a_canary_is_refused_unscored(
+        publisher, make_worker, lora_engine, loras, tiny_model):
+    """vLLM 0.32 cannot score a canary under a LoRA adapter: prompt logprobs with a LoRA request
+    kill its engine core (vllm#29955; tried here with an adapter of a doubled scale, the case
+    issue 41 names: "einsum(): subscript b has size 8 ... 127"). So publishing an adapter with a
+    canary is refused naming the field, and an adapter entry that carries one anyway (a registry
+    writer that skips publish's checks) is refused by the worker without scoring it: never served
+    unchecked, the engine alive, the exact adapter without a canary served beside it."""
+    from rollq.canary import encode_canary, reference
+
+    dirs, merged = loras
+    worker, _ = make_worker(engine=lora_engine, base_schema=dir_schema(tiny_model))
+    canary = reference(merged[1])
+    with pytest.raises(InvalidInput, match="canary: adapter versions cannot carry a canary"):
+        await publisher.publish_weights(1, dirs[1], adapter_on=0, canary=canary)
+    await publisher.publish_weights(1, dirs[1], adapter_on=0)
+    files = [FileDigest(name, digest_file(dirs[2] / name), (dirs[2] / name).stat().st_size, DIGEST)
+             for name in (CONFIG, WEIGHTS)]
+    await Registry(publisher.redis, publisher.keys).register(VersionEntry(
+        2, str(dirs[2]), files, sum(f.bytes for f in files), time.time(), "raw", owned=False,
+        kind="adapter", base=0, canary=encode_canary(canary)))
+    jobs = {v: await publisher.submit(PROMPTS[:1], n=1, sampling=GREEDY, min_version=v, max_version=v)
+            for v in (2, 1)}
+    results = {r.job_id: r for r in await collect(publisher, 2, timeout_s=120)}
+    refused = results[jobs[2]]
+    assert refused.status == "failed" and "cannot be scored" in refused.reason, refused.reason
+    ok = results[jobs[1]]
+    assert ok.status == "ok" and ok.samples[0].versions == [(1, 0)]
+    assert ok.samples[0].token_ids == greedy(merged[1], ok.prompt_ids, GREEDY["max_tokens"])
+    assert lora_engine.alive and 2 in worker.cannot_load and 2 not in worker.adapters.loaded
+
+
 async def test_retention_unloads_adapters_nobody_needs(publisher, make_worker, lora_engine, loras,
                                                        tiny_model):
     dirs, merged = loras
@@ -252,34 +284,3 @@ async def test_an_adapter_on_a_newer_base_swaps_to_the_base_then_serves_beside_i
     assert worker.engine.version == 1 and worker.stats.totals.swaps == 1
     assert sorted(worker.adapters.loaded) == [2]
 
-
-async def test_an_adapter_version_with_a_canary_is_refused_unscored(
-        publisher, make_worker, lora_engine, loras, tiny_model):
-    """vLLM 0.32 cannot score a canary under a LoRA adapter: prompt logprobs with a LoRA request
-    kill its engine core (vllm#29955; tried here with an adapter of a doubled scale, the case
-    issue 41 names: "einsum(): subscript b has size 8 ... 127"). So publishing an adapter with a
-    canary is refused naming the field, and an adapter entry that carries one anyway (a registry
-    writer that skips publish's checks) is refused by the worker without scoring it: never served
-    unchecked, the engine alive, the exact adapter without a canary served beside it."""
-    from rollq.canary import encode_canary, reference
-
-    dirs, merged = loras
-    worker, _ = make_worker(engine=lora_engine, base_schema=dir_schema(tiny_model))
-    canary = reference(merged[1])
-    with pytest.raises(InvalidInput, match="canary: adapter versions cannot carry a canary"):
-        await publisher.publish_weights(1, dirs[1], adapter_on=0, canary=canary)
-    await publisher.publish_weights(1, dirs[1], adapter_on=0)
-    files = [FileDigest(name, digest_file(dirs[2] / name), (dirs[2] / name).stat().st_size, DIGEST)
-             for name in (CONFIG, WEIGHTS)]
-    await Registry(publisher.redis, publisher.keys).register(VersionEntry(
-        2, str(dirs[2]), files, sum(f.bytes for f in files), time.time(), "raw", owned=False,
-        kind="adapter", base=0, canary=encode_canary(canary)))
-    jobs = {v: await publisher.submit(PROMPTS[:1], n=1, sampling=GREEDY, min_version=v, max_version=v)
-            for v in (2, 1)}
-    results = {r.job_id: r for r in await collect(publisher, 2, timeout_s=120)}
-    refused = results[jobs[2]]
-    assert refused.status == "failed" and "cannot be scored" in refused.reason, refused.reason
-    ok = results[jobs[1]]
-    assert ok.status == "ok" and ok.samples[0].versions == [(1, 0)]
-    assert ok.samples[0].token_ids == greedy(merged[1], ok.prompt_ids, GREEDY["max_tokens"])
-    assert lora_engine.alive and 2 in worker.cannot_load and 2 not in worker.adapters.loaded

@@ -13,6 +13,7 @@ head's tensor never reaches the engine. vLLM 0.32 itself loads a trained head in
 whose config ties it (tried: its `maybe_untie_word_embeddings`), so the store's bytes alone
 do not make this case here.
 """
+# ruff: noqa: F811 (fixtures imported from swap_fixtures are test arguments by design)
 
 from __future__ import annotations
 
@@ -28,35 +29,11 @@ from transformers import LlamaForCausalLM
 from rollq.canary import TOLERANCES
 from rollq.queue.workers import live_workers
 from rollq.registry.safetensors_check import dir_schema
-from swap_fixtures import GREEDY, PROMPTS, Reference, perturbed
+# The swap tests' fixtures: a float32 engine of this module's own, on version 1 per test.
+from swap_fixtures import (GREEDY, PROMPTS, Reference, engine_v1, follower,  # noqa: F401
+                           perturbed, swap_engine)
 
 F32 = TOLERANCES["float32"]
-
-
-@pytest.fixture(scope="module")
-async def gate_engine(tiny_model):
-    from rollq.config import VLLMSettings
-    from rollq.engine.vllm import VLLMEngine
-
-    engine = await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model)).validate(), version=1)
-    yield engine
-    await engine.close()
-
-
-@pytest.fixture
-async def engine_v1(gate_engine, tiny_model):
-    if gate_engine.version != 1:
-        await gate_engine.swap(1, str(tiny_model))
-    return gate_engine
-
-
-@pytest.fixture
-def follower(make_worker, engine_v1, tiny_model):
-    def create(**settings):
-        settings = {"max_inflight": 32, "max_inflight_seqs": 32, "lease_s": 5.0} | settings
-        return make_worker(engine=engine_v1, base_schema=dir_schema(tiny_model), **settings)[0]
-
-    return create
 
 
 def trainer_model(config, state: dict) -> LlamaForCausalLM:
@@ -269,9 +246,14 @@ async def test_a_worker_loading_wrong_bytes_shows_everywhere_and_its_gap_stands_
     await trainer.publish_weights(3, models[3])
     await wait_until(lambda: good.engine.version == 3 and bad.engine.version == 3, timeout_s=60,
                      what="both on v3")
-    await trainer.submit([[1, 7 + 13 * i, 3 + i] for i in range(16)], n=2,
-                         sampling={"temperature": 1.0, "max_tokens": 16, "logprobs": 0}, min_version=3)
-    results = await collect(trainer, 16, timeout_s=120)
+    results = []
+    for _ in range(6):  # whichever worker claims first: rounds until both have served some
+        await trainer.submit([[1, 7 + 13 * i, 3 + i] for i in range(16)], n=2,
+                             sampling={"temperature": 1.0, "max_tokens": 16, "logprobs": 0},
+                             min_version=3)
+        results += await collect(trainer, 16, timeout_s=120)
+        if {r.worker_id for r in results} == {"good", "bad"}:
+            break
     assert {r.worker_id for r in results} == {"good", "bad"}
     mine = [token_logprobs(models[3], r.prompt_ids, s.token_ids) for r in results for s in r.samples]
     await trainer.report_logprobs(results, mine)

@@ -598,6 +598,9 @@ class VLLMEngine:
                 await self._load_or_restore(version, path, check, lap)  # labels it too
                 lap("load")
             self._version, self._labelled = version, True
+            # Served now: its tokens are of accepted weights (an engine a test reuses for another
+            # registry loads "version 3" again; a worker never reloads a version it refused).
+            self._withdrawn.discard(version)
             if not isinstance(path, _Pushed):
                 self._weights_path, self._weights_version = path, version
             if not keep:  # (a keep swap cannot: the frozen requests hold blocks; see _salted)

@@ -250,6 +250,8 @@ class VersionFollower:
         version, began, versions, mode, engine = entry.version, time.monotonic(), self.versions, \
             self.mode, self.engine
         canary = canary_of(entry)  # (a malformed one refuses the version: `catch_up`)
+        # Only with a canary: an engine of another make need not know the keywords.
+        checked = {} if canary is None else {"canary": canary, "tolerance": self.tolerance}
         versions.moving("draining")
         self.heartbeat.soon()
         adapters = versions.adapters
@@ -265,12 +267,10 @@ class VersionFollower:
         try:
             if push is None:
                 phases |= await engine.swap(version, str(path), interrupt=mode == "interrupt",
-                                            keep=mode == "keep", canary=canary,
-                                            tolerance=self.tolerance)
+                                            keep=mode == "keep", **checked)
             else:
                 pushed = await engine.push(version, push, interrupt=mode == "interrupt",
-                                           keep=mode == "keep", canary=canary,
-                                           tolerance=self.tolerance)
+                                           keep=mode == "keep", **checked)
                 phases |= {("push" if k == "load" else k): v for k, v in pushed.items()}
         except CanaryRefused as e:  # back on its old weights; the same bytes by files would fail too
             versions.refuse(version, f"version {version} refused: {e}")
@@ -343,5 +343,6 @@ async def load_pinned(engine: Engine, registry: Registry, heartbeat: Heartbeat, 
     heartbeat.holds.add(version)
     snapshot = Snapshots(worker_id).new(version)
     await asyncio.to_thread(check_version, entry, base_schema, snapshot)
-    await engine.swap(version, str(snapshot), interrupt=False, canary=canary_of(entry),
-                      tolerance=tolerance)
+    canary = canary_of(entry)
+    await engine.swap(version, str(snapshot), interrupt=False,
+                      **({} if canary is None else {"canary": canary, "tolerance": tolerance}))
