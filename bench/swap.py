@@ -20,6 +20,12 @@ result marks the moment the worker serves it. Phases:
   the call's return, fsyncs and retention included).
 - verify: the worker re-reading and hashing the files, checking headers and shapes.
 - drain, pause, load, resume: the worker's swap (`rollq_worker_swap_phase_seconds`).
+- canary (modes `copy + canary`, `copy + small canary`): the version's canary scored by the
+  worker's engine after the load and before the version serves (issue 41): the default canary
+  (8 x 128 tokens walking the vocabulary), or a small one (2 x 32 tokens). The references are
+  computed once per checkpoint by transformers before the runs (`reference_s` in the result:
+  what a trainer's `canary=True` costs it per publish), so publish -> serving of these modes
+  against `copy`'s is the check's cost.
 
 Adapter versions: a second worker (`--enable-lora --max-lora-rank 16`, its own policy) serves
 the same checkpoint as version 0, and this process publishes rank-16 LoRA adapters of it (PEFT
@@ -83,6 +89,10 @@ WARM_UP = 3
 what counts, where the store and the worker each hold a spare to write the next version over (a
 retired version: `keep=2` retires a mode's first publish once its third is written, so its
 fourth is the first written over a spare)."""
+CANARY = "copy + canary"
+SMALL_CANARY = "copy + small canary"
+SMALL = dict(count=2, length=32)
+"""The small canary's sequences (`rollq.canary.default_sequences`)."""
 MEMORY = "state_dict, wait=False"
 """The trainer publishes its tensors and goes on: `trainer stall` is how long the call held it."""
 
@@ -205,7 +215,7 @@ def worker_idle(session: int, window_s: float = 0.3, most: float = 0.1, timeout_
 
 
 async def swap_once(client: RolloutClient, version: int, source: Path, mode: str,
-                    worker: int) -> dict:
+                    worker: int, canary=None) -> dict:
     """`worker`: the session of the worker's processes (`worker_idle`)."""
     files = sorted(source.glob("*.safetensors"))
     worker_idle(worker)
@@ -221,7 +231,8 @@ async def swap_once(client: RolloutClient, version: int, source: Path, mode: str
     # the publish still does after registering it (fsyncs, retention). (A group submitted
     # before the version is registered is handed back and claimed again until it is.)
     published = await client.publish_weights(version, source if tensors is None else tensors,
-                                             copy=mode == "copy", keep=2, wait=False)
+                                             copy=mode != "by reference", keep=2, wait=False,
+                                             canary=canary)
     if mode == MEMORY:  # a trainer's tensors: the call returns once they are copied
         phases["trainer stall"] = time.perf_counter() - began
     stored = asyncio.ensure_future(ended(published))
@@ -356,7 +367,9 @@ async def adapter_runs(redis_url: str, tmp: Path, base: Path, repeats: int) -> d
 
 async def main(repeats: int, adapter_repeats: int, only: str | None = None) -> dict:
     load_before = os.getloadavg()
-    modes: dict[str, list[dict]] = {"copy": [], "by reference": [], MEMORY: []}
+    modes: dict[str, list[dict]] = {"copy": [], CANARY: [], SMALL_CANARY: [], "by reference": [],
+                                    MEMORY: []}
+    references: dict = {}
     adapter = None
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -365,18 +378,40 @@ async def main(repeats: int, adapter_repeats: int, only: str | None = None) -> d
         redis = RedisProcess(tmp, aof=False).start()
         try:
             if only != "adapter":
-                await full_runs(redis.url, tmp, checkpoints, modes, repeats)
+                references = canaries(checkpoints)
+                await full_runs(redis.url, tmp, checkpoints, modes, repeats, references)
             if only != "full":
                 adapter = await adapter_runs(redis.url, tmp, checkpoints[0], adapter_repeats)
         finally:
             redis.stop()
     return {"bytes": size, "repeats": repeats, "model": MODEL,
             "modes": {mode: summary(runs, size) for mode, runs in modes.items() if runs},
-            "adapter": adapter, "load": [load_before[0], os.getloadavg()[0]]}
+            "adapter": adapter, "load": [load_before[0], os.getloadavg()[0]],
+            "reference_s": {mode: seconds for mode, (_, seconds) in references.items()}}
+
+
+def canaries(checkpoints: list[Path]) -> dict[str, tuple[list, float]]:
+    """Per canary mode: each checkpoint's canary (transformers, float32) and the median seconds
+    one took (what `canary=True` holds a trainer for, per publish)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from rollq.canary import default_sequences, reference
+
+    out = {}
+    models = [LlamaForCausalLM.from_pretrained(c, torch_dtype=torch.float32).eval() for c in checkpoints]
+    for mode, sequences in ((CANARY, None), (SMALL_CANARY, default_sequences(MODEL["vocab"], **SMALL))):
+        made, took = [], []
+        for model in models:
+            began = time.perf_counter()
+            made.append(reference(model, sequences))
+            took.append(time.perf_counter() - began)
+        out[mode] = (made, statistics.median(took))
+    return out
 
 
 async def full_runs(redis_url: str, tmp: Path, checkpoints: list[Path],
-                    modes: dict[str, list[dict]], repeats: int) -> None:
+                    modes: dict[str, list[dict]], repeats: int, references: dict) -> None:
     worker = start_worker(redis_url, POLICY, checkpoints[0])
     try:
         async with RolloutClient(redis_url, policy=POLICY, trainer_id="bench",
@@ -386,8 +421,9 @@ async def full_runs(redis_url: str, tmp: Path, checkpoints: list[Path],
             for mode, runs in modes.items():
                 for i in range(WARM_UP + repeats):
                     version += 1
+                    canary = references[mode][0][version % 2] if mode in references else None
                     run = await swap_once(client, version, checkpoints[version % 2], mode,
-                                          worker.pid)  # (its own session: start_worker)
+                                          worker.pid, canary)  # (its own session: start_worker)
                     runs.append(run | {"warm_up": i < WARM_UP})
     finally:
         stop_process(worker)
@@ -412,6 +448,12 @@ def report(r: dict) -> None:
               f"generation {a['generation_s'] * 1000:.1f} ms, publish -> generating "
               f"{a['ready_s'] * 1000:.1f} ms); publish -> loaded (the worker's stamp) "
               f"{a['loaded_s'] * 1000:.1f} ms (target <= 50 ms)")
+    copy = r["modes"].get("copy")
+    for mode in (CANARY, SMALL_CANARY):
+        if copy and mode in r["modes"]:
+            print(f"{mode}: publish -> serving {r['modes'][mode]['total_s'] / copy['total_s']:.2f}x "
+                  f"copy's (target <= 1.10 with the default canary); the trainer's reference "
+                  f"{r['reference_s'][mode]:.2f} s per publish")
     print(f"load average: {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end")
 
 
