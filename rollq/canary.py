@@ -156,12 +156,12 @@ MAX_REPORTED_CHECKS = 4
 _decoder = msgspec.msgpack.Decoder(Canary)
 
 
-def encode_canary(canary: Canary) -> bytes:
+def encode_canary(canary: Canary, field: str = "canary") -> bytes:
     """A canary built in Python -> its bytes, checked as a worker will check them (msgspec checks
     the constraints only as it decodes): the token budget first, in its own words."""
-    validate_canary(canary)
+    validate_canary(canary, field)
     data = msgspec.msgpack.encode(canary)
-    decode_canary(data)
+    decode_canary(data, field)
     return data
 
 

@@ -342,3 +342,34 @@ async def test_publish_refuses_version_and_keep_out_of_range_before_any_file_wor
                 assert r.status == 400 and (await r.json())["error"]["field"] == field, await r.text()
         async with http.get(url) as r:
             assert (await r.json())["versions"] == []
+
+
+async def test_an_http_publish_carries_its_canary(make_gateway, policy, redis):
+    """The canary reaches the registry entry from HTTP as from the client (JSON: ids and floats),
+    every bound checked in rollq's words, naming the field."""
+    import torch
+    from safetensors.torch import save_file
+
+    from rollq.canary import canary_of
+    from rollq.queue.keys import Keys
+    from rollq.registry.versions import Registry
+
+    gw = await make_gateway()
+    inside = gw.weight_root / policy / "v1"
+    inside.mkdir(parents=True)
+    save_file({"w": torch.ones(4)}, inside / "model.safetensors")
+    url = f"/v1/policies/{policy}/versions"
+    canary = {"sequences": [[1, 5, 9]], "logprobs": [[-1.5, -0.25]], "dtype": "bfloat16",
+              "tolerance": {"max_abs": 0.2, "mean_abs": 0.02, "kl": 1e-3}}
+    async with aiohttp.ClientSession(gw.url, headers=gw.headers()) as http:
+        for bad, field in (({**canary, "logprobs": [[-1.5]]}, "canary.logprobs[0]"),
+                           ({**canary, "logprobs": [[-1.5, 0.5]]}, "canary.logprobs[0]"),
+                           ({**canary, "sequences": [[1, -5, 9]]}, "canary.sequences[0]"),
+                           ({**canary, "dtype": "int8"}, "canary.dtype")):
+            async with http.post(url, json={"version": 1, "path": str(inside), "canary": bad}) as r:
+                assert r.status == 400 and (await r.json())["error"]["field"] == field, await r.text()
+        async with http.post(url, json={"version": 1, "path": str(inside), "canary": canary}) as r:
+            assert r.status == 201, await r.text()
+    entry = await Registry(redis, Keys(policy)).get(1)
+    got = canary_of(entry)
+    assert got.token_ids() == [[1, 5, 9]] and got.dtype == "bfloat16" and got.tolerance.max_abs == 0.2

@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from rollq.canary import encode_canary
 from rollq.client import RolloutClient
 from rollq.gateway import completions as oai
 from rollq.gateway.auth import Principal, allowed
@@ -285,6 +286,7 @@ async def publish_version(request: web.Request) -> web.Response:
     if body.keep is not None and body.keep < 1:
         raise ApiError(400, f"keep={body.keep} must be >= 1 (versions kept)", "keep")
     path = publishable(gw, policy, body.path)
+    canary = b"" if body.canary is None else encode_canary(body.canary.to_canary())
     store = WeightStore(gw.settings.weight_store)
     try:
         async with request.app[PUBLISHING]:
@@ -295,7 +297,7 @@ async def publish_version(request: web.Request) -> web.Response:
         raise ApiError(503, "the publish's helper process died (out of memory?); retry") from None
     try:
         entry = await commit_files(gw.redis, Keys(policy), store, body.version, where, files, body.copy,
-                                   publisher=who.trainer, keep=body.keep)
+                                   publisher=who.trainer, keep=body.keep, canary=canary)
     except VersionConflict as e:
         raise ApiError(409, str(e), "version") from None
     return reply(request, version_view(entry), status=201)

@@ -8,11 +8,14 @@ The OpenAPI document is generated from these types.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
-from rollq.protocol import GroupResult, Sample, VersionEntry, VersionWindow, unpack_floats, unpack_tokens
+from rollq.canary import (MAX_CANARY_SEQUENCES, Canary, Dtype, Tolerance, encode_canary)
+from rollq.protocol import (GroupResult, InvalidInput, Sample, VersionEntry, VersionWindow, pack_floats,
+                            pack_tokens, unpack_floats, unpack_tokens)
 
 _REQUEST = dict(forbid_unknown_fields=True, kw_only=True)
 
@@ -120,6 +123,38 @@ class Cancelled(msgspec.Struct):
     """Groups that had no result yet and end `cancelled`."""
 
 
+class ToleranceRequest(msgspec.Struct, **_REQUEST):
+    """`rollq.canary.Tolerance` as a JSON object."""
+
+    max_abs: Annotated[float, Meta(ge=0.0)]
+    mean_abs: Annotated[float, Meta(ge=0.0)]
+    kl: Annotated[float, Meta(ge=0.0)]
+
+
+class CanaryRequest(msgspec.Struct, **_REQUEST):
+    """A version's canary as JSON (`rollq/canary.py`): token ids, the trainer's logprob of each
+    token after the first under this version, the dtype it computed in, and an optional
+    tolerance overriding the workers'. Bounds: `rollq.canary`'s, checked after decoding."""
+
+    sequences: list[list[int]]
+    logprobs: list[list[float]]
+    dtype: Dtype
+    tolerance: ToleranceRequest | None = None
+
+    def to_canary(self) -> Canary:
+        if len(self.sequences) > MAX_CANARY_SEQUENCES:
+            raise InvalidInput("canary.sequences", f"holds {len(self.sequences)} sequences; the "
+                               f"limit is {MAX_CANARY_SEQUENCES}")
+        if any(not -2**31 <= t < 2**31 for ids in self.sequences for t in ids):
+            raise InvalidInput("canary.sequences", "holds a token id outside int32")
+        canary = Canary(sequences=[pack_tokens(ids) for ids in self.sequences],
+                        logprobs=[pack_floats(lps) for lps in self.logprobs], dtype=self.dtype,
+                        tolerance=None if self.tolerance is None else Tolerance(
+                            **msgspec.structs.asdict(self.tolerance)))
+        encode_canary(canary, "canary")  # every bound, in rollq's words
+        return canary
+
+
 class PublishRequest(msgspec.Struct, **_REQUEST):
     version: int
     path: str
@@ -127,6 +162,8 @@ class PublishRequest(msgspec.Struct, **_REQUEST):
     copy: bool = False
     """Copy the files into the weight store (True) or register the directory in place."""
     keep: int | None = None
+    canary: CanaryRequest | None = None
+    """The version's canary: every worker checks its engine against it before serving it."""
 
 
 class FileView(msgspec.Struct):
