@@ -117,7 +117,9 @@ def _passthrough(r: dict) -> list[str]:
     return rows
 
 
-SWAP_PHASES = ("trainer stall", "store", "hash in place", "verify", "drain", "pause", "load", "resume")
+SWAP_PHASES = ("trainer stall", "store", "hash in place", "verify", "drain", "pause", "load", "canary",
+               "resume")
+CANARY_MODES = ("copy + canary", "copy + small canary")
 
 
 def _swap(r: dict) -> list[str]:
@@ -153,6 +155,15 @@ def _swap(r: dict) -> list[str]:
                 if first is not None else ""
             rows.append(f"- {mode}: the trainer is held **{stall:.3f} s** per publish, median"
                         f"{first} (target <= 0.1: {_met(stall <= 0.1)}).")
+    copy = modes.get("copy")
+    for mode in CANARY_MODES:
+        if copy and mode in modes:
+            ratio = modes[mode]["total_s"] / copy["total_s"]
+            default = mode == CANARY_MODES[0]
+            rows.append(f"- {mode}: publish -> serving / copy's **{ratio:.2f}**"
+                        + (f" (issue 41's target <= 1.10: {_met(ratio <= 1.10)})" if default else "")
+                        + f"; the trainer's reference (transformers, float32) "
+                        f"{r.get('reference_s', {}).get(mode, float('nan')):.2f} s per publish.")
     a = r.get("adapter")
     if a:
         ms = a["total_s"] * 1000
