@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from conftest import engine_flags
+from conftest import LONG, engine_flags
 from helpers import collect, wait_until
 
 from rollq.engine import pushes
@@ -204,3 +204,39 @@ async def test_a_worker_that_joins_while_a_push_runs(publisher, follower, versio
     results += await collect(publisher, 2)
     assert {v for r in results for v, _ in r.samples[0].versions} == {2}
     await _served_once(publisher, PROMPTS[:12], results, Reference(models))
+
+
+async def _held_by(client, consumer: str) -> int:
+    info = await client.redis.xpending(client.keys.work("trainer"), "workers")
+    return {c["name"].decode(): c["pending"] for c in info["consumers"]}.get(consumer, 0)
+
+
+@pytest.mark.skipif(not LONG, reason="ROLLQ_LONG_TESTS=1: `rollq worker` spawns its own engine (~60 s here)")
+async def test_a_worker_killed_mid_receive(publisher, follower, versions, engine_v1, hold, hold_dir,
+                                           spawn_worker, tiny_model, monkeypatch):
+    """`rollq worker` (its own process, interrupt swaps) SIGKILLed, with its engine core, while
+    its engine reads a push: the groups it held (cut by the swap, waiting to continue) come back
+    after their lease and another worker, joining then, takes v2 by the same push and serves
+    them; every group once, every token right."""
+    weights, models = versions
+    monkeypatch.setenv(pushes.HOLD_ENV, str(hold_dir))  # (its engine core inherits it)
+    doomed = spawn_worker("doomed", engine="vllm", lease_s=2, swap_mode="interrupt", push_timeout_s=600,
+                          engine_arg=f"weight_transfer_config={{\"backend\": \"{pushes.BACKENDS['shm']}\"}}",
+                          **engine_flags(tiny_model))
+    monkeypatch.delenv(pushes.HOLD_ENV)
+    prompts = PROMPTS[:12]
+    await publisher.submit(prompts, n=1, sampling=GREEDY | {"max_tokens": 160})
+    await wait_until(lambda: _held_by(publisher, "doomed"), timeout_s=120, what="doomed generating")
+    held = hold()
+    await publisher.publish_weights(2, weights[2], push="shm")
+    marker = await wait_until(held, timeout_s=60, what="doomed's engine reading the push")
+    os.killpg(doomed.proc.pid, signal.SIGKILL)
+    assert doomed.wait(10) == -signal.SIGKILL
+    marker.unlink()
+    lost = await _held_by(publisher, "doomed")
+    assert lost > 0, "doomed held nothing when killed"
+    rescuer = follower(swap_mode="drain")
+    results = await collect(publisher, len(prompts), timeout_s=90)
+    assert _pushed(rescuer) and engine_v1.version == 2
+    assert sum(r.worker_id == rescuer.worker_id for r in results) >= lost
+    await _served_once(publisher, prompts, results, Reference(models))
