@@ -141,9 +141,9 @@ async def test_trainer_killed_mid_push(fate, publisher, follower, versions, engi
     segment, which is then cut short (`cut`) or removed (`removed`, as a later trainer's sweep
     does). Cut: the read comes up short, the push is refused, v2 comes from the files. Removed:
     the reader's descriptor still reads every byte, checked, and the push serves. Either way
-    every group once, every token right. (Seen failing, `cut`, with `_read_into`'s short-read
-    check removed: the tensor kept the bytes of its fresh buffer past the cut... and failed its
-    fingerprint, so it was the fingerprints that held; with both removed, v2 served as pushed.)"""
+    every group once, every token right. (Seen failing on a reader that trusted short reads,
+    skipped fingerprints and re-opened the segment by path per tensor: `cut` served v2 as
+    pushed, `removed` failed with "No such file" and was not pushed.)"""
     weights, models = versions
     state = tmp_path / "v2.pt"
     torch.save(weights[2], state)
