@@ -85,6 +85,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     """Largest figures a version's canary may show and still serve: `MAX,MEAN,KL` (max and
     mean |Δ logprob|, k3 KL) [default: by dtype, float32 1e-4,1e-5,1e-9; bf16/fp16 0.1,0.01,1e-4;
     a publish may override it]."""
+    push_timeout_s: float = 120.0
+    """Longest a pushed version's bytes may take to be read and checked (engines started with a
+    rollq weight-transfer backend): past it the push is refused, nothing loaded, and the worker
+    loads the version's files instead."""
 
     def tolerance(self) -> Tolerance | None:
         """`canary_tolerance` parsed (None: the dtype's defaults)."""
@@ -115,6 +119,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             "base_version": (self.base_version, 0, MAX_VERSION - 1),
             "pin_version": (0 if self.pin_version is None else self.pin_version, 0, MAX_VERSION - 1),
             "metrics_port": (0 if self.metrics_port is None else self.metrics_port, 0, 65_535),
+            "push_timeout_s": (self.push_timeout_s, 0.01, 86_400),
         }
         for name, (value, lo, hi) in limits.items():
             if not lo <= value <= hi:

@@ -112,3 +112,63 @@ async def test_a_push_publish_offers_fingerprints_and_cleans_up(make_client, tmp
         await client.publish_weights(3, str(tmp_path), push="shm")
     await client.close()
     assert not os.path.exists(entry.push.address)
+
+
+def _in_thread(call, wait_s: float = 5.0):
+    """`call()`'s outcome, or TimeoutError if it is still running after `wait_s` (a daemon
+    thread: one that blocks for ever must fail the test, not hang it)."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["value"] = call()
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    if thread.is_alive():
+        raise TimeoutError(f"still running after {wait_s} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_fifo_at_the_address_is_refused_not_waited_on(pushed):
+    """A FIFO of the right name: opened for reading, it blocks until a writer comes (for ever);
+    the reader opens it non-blocking and refuses it as not a segment. (Seen failing, hanging
+    until the thread's wait ran out, with O_NONBLOCK removed from `read_checked`'s open.)"""
+    _, tensors, _ = pushed
+    fifo = pushes.SHM_DIR / f"rollq-push-fifo-{os.getpid()}"
+    os.mkfifo(fifo, 0o600)
+    try:
+        with pytest.raises(pushes.PushRefused, match="0 bytes, the entry's tensors take"):
+            _in_thread(lambda: pushes.read_checked(str(fifo), tensors, _empty))
+    finally:
+        fifo.unlink()
+
+
+def test_a_read_that_never_finishes_is_given_up_and_wedges_nothing(pushed, tmp_path, monkeypatch):
+    """A read held mid-segment (the tests' hook, `HOLD_ENV`): its waiter refuses the push at the
+    deadline, the abandoned thread stops at its next tensor, and a new read of the same segment
+    is not queued behind it. (Seen failing, the waiter never returning, with `_Reading.result`
+    waiting without its deadline.)"""
+    from rollq.engine.transfer import ShmUpdateInfo, _Reading
+
+    state, tensors, segment = pushed
+    monkeypatch.setenv(pushes.HOLD_ENV, str(tmp_path))
+    (tmp_path / "hold").touch()
+    info = ShmUpdateInfo(**pushes.update_info(pushes.shm_offer(segment), tensors, timeout_s=0.5))
+    stuck = _Reading(info)
+    with pytest.raises(pushes.PushRefused, match=r"not read and checked within 0.5 s"):
+        _in_thread(stuck.result)
+    assert (tmp_path / f"held-{segment.name}").exists()  # still held: the thread gave up itself
+    with pytest.raises(pushes.PushRefused, match="read given up"):
+        stuck.future.result(timeout=5)
+    got = dict(_in_thread(_Reading(info).result))
+    assert all(torch.equal(got[name], t) for name, t in state.items())
+    with pytest.raises(ValueError, match="timeout_s=0 must be a finite number > 0"):
+        ShmUpdateInfo(**pushes.update_info(pushes.shm_offer(segment), tensors, timeout_s=0))

@@ -28,6 +28,7 @@ import socket
 import stat
 import time
 import uuid
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,15 @@ _FROM_SAFETENSORS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F6
                      "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 
+
+PUSH_TIMEOUT_S = 120.0
+"""A worker's default bound on reading and checking a push (`--push-timeout-s`)."""
+HOLD_ENV = "ROLLQ_TEST_PUSH_HOLD"
+"""Tests only, never set by rollq: a directory. In a process whose environment names one, the
+read of a segment stops after its first tensor if `<dir>/hold` exists (the first reader takes it,
+renaming it `<dir>/held-<segment name>`) and waits while that file exists, or until the read is
+given up: a push that never finishes, or a segment cut or removed mid-read, made real inside
+vLLM's engine process, where no test can patch code."""
 
 REFUSED = "rollq refused the push"
 """Begins every PushRefused message, which is all that crosses from vLLM's engine process."""
@@ -164,24 +174,30 @@ def reachable(offer: PushOffer | None, transport: str | None) -> bool:
             and (offer.transport != "shm" or offer.host == host_id()))
 
 
-def update_info(offer: PushOffer, tensors: list[TensorDigest]) -> dict[str, Any]:
+def update_info(offer: PushOffer, tensors: list[TensorDigest],
+                timeout_s: float = PUSH_TIMEOUT_S) -> dict[str, Any]:
     """vLLM's `update_weights` payload for `offer` (`engine/transfer.py` reads it): the names,
-    dtypes and shapes from the registry entry, and the fingerprints the receiver must find."""
+    dtypes and shapes from the registry entry, the fingerprints the receiver must find, and how
+    long it may take to read and check them before the push is given up."""
     return {"address": offer.address, "names": [t.name for t in tensors],
             "dtype_names": [t.dtype for t in tensors], "shapes": [list(t.shape) for t in tensors],
-            "digests": [t.digest for t in tensors]}
+            "digests": [t.digest for t in tensors], "timeout_s": timeout_s}
 
 
-def read_checked(address: str, tensors: list[TensorDigest], empty) -> list[tuple[str, Any]]:
+def read_checked(address: str, tensors: list[TensorDigest], empty,
+                 given_up: Callable[[], bool] = lambda: False) -> list[tuple[str, Any]]:
     """Every tensor of a shm segment, read into buffers of this process (`empty(t)`: a new
     tensor of `t`'s dtype and shape; `view(tensor)`: its bytes) and fingerprinted there.
+    `given_up()`: asked between tensors; True ends the read (its caller stopped waiting).
 
     Raises PushRefused on any difference from the registry's entry; then nothing was loaded."""
     path = Path(address)
     if path.parent != SHM_DIR or not _SEGMENT_NAME.fullmatch(path.name):
         raise PushRefused(f"push address {address!r} is not a rollq segment under {SHM_DIR}")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO at the path would block this open until some writer came, for ever
+        # (the fstat below refuses anything but a regular file; tmpfs reads never block).
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise PushRefused(f"push segment {address}: {e.strerror}") from None
     try:
@@ -192,6 +208,10 @@ def read_checked(address: str, tensors: list[TensorDigest], empty) -> list[tuple
                               f"take {expected}")
         out, offset = [], 0
         for t in tensors:
+            if out:
+                _test_hold(path, given_up)
+            if given_up():
+                raise PushRefused(f"push segment {address}: read given up")
             tensor, data = empty(t)
             _read_into(fd, data, offset, address)
             if fingerprint(data) != t.digest:
@@ -202,6 +222,20 @@ def read_checked(address: str, tensors: list[TensorDigest], empty) -> list[tuple
         return out
     finally:
         os.close(fd)
+
+
+def _test_hold(path: Path, given_up: Callable[[], bool]) -> None:
+    """The tests' hook (`HOLD_ENV`); nothing unless its variable is set."""
+    where = os.environ.get(HOLD_ENV)
+    if not where:
+        return
+    held = Path(where) / f"held-{path.name}"
+    try:
+        (Path(where) / "hold").rename(held)
+    except OSError:  # no hold asked for, or another reader took it
+        return
+    while held.exists() and not given_up():
+        time.sleep(0.01)
 
 
 def _read_into(fd: int, data: memoryview, offset: int, address: str) -> None:

@@ -10,18 +10,26 @@ vLLM's layerwise reload (as vLLM's IPC engine does, with `model.load_weights`, w
 full tensor for its rank). So a refused push has touched no weight: the engine still holds the
 version it served. A load that fails after that (vLLM itself) leaves layers half loaded, and the
 engine loads its last verified files back (`VLLMEngine._load_or_restore`).
+
+A read is bounded (`timeout_s`, the worker's `--push-timeout-s`): it runs in a daemon thread of
+its own (`_Reading`), and whoever waits for it (the paused `update_weights`) stops waiting at its
+deadline and refuses the push, nothing loaded. The thread is abandoned, told to stop at its next
+tensor; a later push reads in a new thread, so one stuck read (a FIFO opened without O_NONBLOCK
+blocked for ever) wedges neither the engine core nor later pushes.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from rollq.engine.pushes import BACKENDS, PushRefused, read_checked
+from rollq.engine.pushes import BACKENDS, PUSH_TIMEOUT_S, PushRefused, read_checked
 from rollq.protocol import TensorDigest
 
 
@@ -44,8 +52,12 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     digests: list[str] = field(default_factory=list)
     finite: bool = False
     """Refuse NaN/inf weights too (a keep swap's frozen requests would sample on them)."""
+    timeout_s: float = PUSH_TIMEOUT_S
+    """The read and check are given up this long after they began (the push refused)."""
 
     def __post_init__(self):
+        if not 0 < self.timeout_s < float("inf"):
+            raise ValueError(f"update_info: timeout_s={self.timeout_s} must be a finite number > 0")
         if not len(self.names) == len(self.dtype_names) == len(self.shapes) == len(self.digests):
             raise ValueError("update_info: names, dtype_names, shapes and digests must have one "
                              f"entry per tensor (got {len(self.names)}, {len(self.dtype_names)}, "
@@ -61,14 +73,43 @@ def _empty(t: TensorDigest):
     return tensor, memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _receive(info: ShmUpdateInfo) -> list[tuple[str, torch.Tensor]]:
+def _receive(info: ShmUpdateInfo, given_up) -> list[tuple[str, torch.Tensor]]:
     """The segment's tensors in memory of this process, every fingerprint checked."""
-    weights = read_checked(info.address, info.tensors(), _empty)
+    weights = read_checked(info.address, info.tensors(), _empty, given_up)
     if info.finite:
         for name, t in weights:
             if t.is_floating_point() and not torch.isfinite(t).all():
                 raise PushRefused(f"tensor {name} holds NaN or inf")
     return weights
+
+
+class _Reading:
+    """One segment read and checked in a daemon thread of its own (a stuck one must not keep
+    the process from exiting, as a pool's thread would), waited for until its deadline."""
+
+    def __init__(self, info: ShmUpdateInfo):
+        self.address, self.timeout_s = info.address, info.timeout_s
+        self.deadline = time.monotonic() + info.timeout_s
+        self.abandoned = threading.Event()
+        self.future: Future = Future()
+        threading.Thread(target=self._run, args=(info,), name="rollq-push-read", daemon=True).start()
+
+    def _run(self, info: ShmUpdateInfo) -> None:
+        try:  # (pread and BLAKE3 release the GIL: generation goes on beside a staged read)
+            self.future.set_result(_receive(info, self.abandoned.is_set))
+        except BaseException as e:  # noqa: BLE001 (handed to the waiter, which raises it)
+            self.future.set_exception(e)
+
+    def result(self) -> list[tuple[str, torch.Tensor]]:
+        try:
+            return self.future.result(timeout=max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            self.abandon()
+            raise PushRefused(f"push segment {self.address}: not read and checked within "
+                              f"{self.timeout_s:g} s (the worker's --push-timeout-s)") from None
+
+    def abandon(self) -> None:
+        self.abandoned.set()
 
 
 class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
@@ -79,18 +120,19 @@ class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._reloading = False
-        self._staged: tuple[str, Future] | None = None
-        """(segment, its tensors being read and checked) while the engine serves."""
-        self._stager: ThreadPoolExecutor | None = None
+        self._staged: _Reading | None = None
+        """A segment being read and checked while the engine serves."""
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         if init_info.stage is None:
             return
-        info = ShmUpdateInfo(**init_info.stage)
-        if self._stager is None:
-            self._stager = ThreadPoolExecutor(1, thread_name_prefix="rollq-push-stage")
-        # (pread and BLAKE3 release the GIL: generation goes on beside it)
-        self._staged = (info.address, self._stager.submit(_receive, info))
+        self._drop_staged()
+        self._staged = _Reading(ShmUpdateInfo(**init_info.stage))
+
+    def _drop_staged(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.abandon()
 
     def start_weight_update(self) -> None:
         # The layerwise reload begins with the first checked chunk (receive_weights), so a push
@@ -101,11 +143,12 @@ class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        staged, self._staged = self._staged, None
-        if staged is not None and staged[0] == update_info.address:
-            weights = staged[1].result()  # (its refusal is raised here, nothing loaded yet)
-        else:
-            weights = _receive(update_info)
+        staged = self._staged
+        if staged is None or staged.address != update_info.address:
+            self._drop_staged()
+            staged = _Reading(update_info)
+        self._staged = None
+        weights = staged.result()  # (a refusal or the timeout is raised here, nothing loaded yet)
         if not self._reloading:
             initialize_layerwise_reload(self.model)
             self._reloading = True
@@ -115,15 +158,13 @@ class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        self._staged = None
+        self._drop_staged()
         if self._reloading:
             finalize_layerwise_reload(self.model, self.model_config)
             self._reloading = False
 
     def shutdown(self) -> None:
-        self._staged = None
-        if self._stager is not None:
-            self._stager.shutdown(wait=False)
+        self._drop_staged()
 
 
 def register() -> None:

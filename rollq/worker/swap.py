@@ -50,10 +50,12 @@ class VersionFollower:
     def __init__(self, engine: Engine, registry: Registry, versions: VersionState, *,
                  admission: Admission, heartbeat: Heartbeat, stats: WorkerStats, worker_id: str,
                  stopping: Callable[[], bool], mode: SwapMode, base_schema: Schema | None,
-                 poll_s: float, tolerance: Tolerance | None = None):
+                 poll_s: float, tolerance: Tolerance | None = None,
+                 push_timeout_s: float = pushes.PUSH_TIMEOUT_S):
         """The worker's parts it uses: `admission` (the gate a swap closes), `heartbeat` (pins
         held, the target), `stats` (swaps), `stopping` (when to end). `tolerance`: the
-        operator's for version canaries (None: the dtype's default)."""
+        operator's for version canaries (None: the dtype's default). `push_timeout_s`: the bound
+        on reading and checking a push (each rank gives it up then: refused, nothing loaded)."""
         self.engine = engine
         self.registry = registry
         self.admission = admission
@@ -65,6 +67,7 @@ class VersionFollower:
         self.base_schema = base_schema
         self.poll_s = poll_s
         self.tolerance = tolerance
+        self.push_timeout_s = push_timeout_s
         self.spoil: Callable[[int, Path], None] | None = None
         """Tests only: changes a checked snapshot's files before the engine loads them (a worker
         made to load wrong bytes on purpose, for the canary to catch). Never set in `rollq worker`."""
@@ -207,7 +210,8 @@ class VersionFollower:
             except WeightError as e:  # (its files hold the same tensors: their check refuses it)
                 log.error("%s; not taken", e)
                 return False
-        info = pushes.update_info(entry.push, entry.tensors) | {"finite": self.mode == "keep"}
+        info = pushes.update_info(entry.push, entry.tensors, self.push_timeout_s) | {
+            "finite": self.mode == "keep"}
         try:
             try:  # received and checked while the engine serves and drains
                 await self.engine.stage_push(info)
