@@ -20,6 +20,12 @@ result marks the moment the worker serves it. Phases:
   the call's return, fsyncs and retention included).
 - verify: the worker re-reading and hashing the files, checking headers and shapes.
 - drain, pause, load, resume: the worker's swap (`rollq_worker_swap_phase_seconds`).
+- push (mode `state_dict + push`, issue 40): the trainer's tensors published with `push="shm"`
+  (the worker's engine takes them from the shm segment, staged and fingerprint-checked while it
+  serves, then vLLM's `load_weights` from memory while paused): no verify phase; `push` is the
+  paused load. Its floor is that `push` phase itself (vLLM's load of tensors already in the
+  engine's memory, plus the probe token), and publish -> serving against `copy`'s is issue 40's
+  <= 0.6x target.
 - canary (modes `copy + canary`, `copy + small canary`): the version's canary scored by the
   worker's engine after the load and before the version serves (issue 41): the default canary
   (8 x 128 tokens walking the vocabulary), or a small one (2 x 32 tokens). The references are
@@ -94,6 +100,9 @@ SMALL_CANARY = "copy + small canary"
 SMALL = dict(count=2, length=32)
 """The small canary's sequences (`rollq.canary.default_sequences`)."""
 MEMORY = "state_dict, wait=False"
+PUSH = "state_dict + push"
+PUSH_ENGINE = '{"backend": "rollq_shm"}'
+"""The full-weight worker's `weight_transfer_config`: it takes pushes (and files, as any worker)."""
 """The trainer publishes its tensors and goes on: `trainer stall` is how long the call held it."""
 
 
@@ -223,7 +232,8 @@ async def swap_once(client: RolloutClient, version: int, source: Path, mode: str
     raw_cold = raw_read(files, cold=True)  # first: it leaves the files in the page cache
     raw_warm = raw_read(files)
     phases = {}
-    tensors = {k: v for f in files for k, v in load_file(str(f)).items()} if mode == MEMORY else None
+    tensors = {k: v for f in files for k, v in load_file(str(f)).items()} if mode in (MEMORY, PUSH) \
+        else None
     after = await last_event(client)
     began = time.perf_counter()
     # wait=False and the probe submitted as soon as the version is announced (registered), as
@@ -232,8 +242,8 @@ async def swap_once(client: RolloutClient, version: int, source: Path, mode: str
     # before the version is registered is handed back and claimed again until it is.)
     published = await client.publish_weights(version, source if tensors is None else tensors,
                                              copy=mode != "by reference", keep=2, wait=False,
-                                             canary=canary)
-    if mode == MEMORY:  # a trainer's tensors: the call returns once they are copied
+                                             canary=canary, push="shm" if mode == PUSH else None)
+    if mode in (MEMORY, PUSH):  # a trainer's tensors: the call returns once they are copied
         phases["trainer stall"] = time.perf_counter() - began
     stored = asyncio.ensure_future(ended(published))
     await announced(client, after)
@@ -253,6 +263,8 @@ async def swap_once(client: RolloutClient, version: int, source: Path, mode: str
 
 def floor(run: dict) -> float | None:
     """The engine floor of one publish: its cold read + vLLM's load of the same bytes."""
+    if "push" in run["phases"]:  # vLLM's load of tensors already in the engine's memory
+        return run["phases"]["push"]
     if run["raw_cold_s"] is None:
         return None
     return run["raw_cold_s"] + run["phases"]["load"]
@@ -368,7 +380,7 @@ async def adapter_runs(redis_url: str, tmp: Path, base: Path, repeats: int) -> d
 async def main(repeats: int, adapter_repeats: int, only: str | None = None) -> dict:
     load_before = os.getloadavg()
     modes: dict[str, list[dict]] = {"copy": [], CANARY: [], SMALL_CANARY: [], "by reference": [],
-                                    MEMORY: []}
+                                    MEMORY: [], PUSH: []}
     references: dict = {}
     adapter = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -412,7 +424,8 @@ def canaries(checkpoints: list[Path]) -> dict[str, tuple[list, float]]:
 
 async def full_runs(redis_url: str, tmp: Path, checkpoints: list[Path],
                     modes: dict[str, list[dict]], repeats: int, references: dict) -> None:
-    worker = start_worker(redis_url, POLICY, checkpoints[0])
+    worker = start_worker(redis_url, POLICY, checkpoints[0], "--engine-arg",
+                          f"weight_transfer_config={PUSH_ENGINE}")
     try:
         async with RolloutClient(redis_url, policy=POLICY, trainer_id="bench",
                                  weight_store=str(tmp / "store")) as client:
@@ -449,6 +462,9 @@ def report(r: dict) -> None:
               f"{a['ready_s'] * 1000:.1f} ms); publish -> loaded (the worker's stamp) "
               f"{a['loaded_s'] * 1000:.1f} ms (target <= 50 ms)")
     copy = r["modes"].get("copy")
+    if copy and PUSH in r["modes"]:
+        print(f"{PUSH}: publish -> serving {r['modes'][PUSH]['total_s'] / copy['total_s']:.2f}x copy's "
+              f"(target <= 0.6)")
     for mode in (CANARY, SMALL_CANARY):
         if copy and mode in r["modes"]:
             print(f"{mode}: publish -> serving {r['modes'][mode]['total_s'] / copy['total_s']:.2f}x "

@@ -117,8 +117,8 @@ def _passthrough(r: dict) -> list[str]:
     return rows
 
 
-SWAP_PHASES = ("trainer stall", "store", "hash in place", "verify", "drain", "pause", "load", "canary",
-               "resume")
+SWAP_PHASES = ("trainer stall", "store", "hash in place", "verify", "drain", "pause", "load", "push",
+               "canary", "resume")
 CANARY_MODES = ("copy + canary", "copy + small canary")
 
 
@@ -156,6 +156,11 @@ def _swap(r: dict) -> list[str]:
             rows.append(f"- {mode}: the trainer is held **{stall:.3f} s** per publish, median"
                         f"{first} (target <= 0.1: {_met(stall <= 0.1)}).")
     copy = modes.get("copy")
+    if copy and "state_dict + push" in modes:
+        ratio = modes["state_dict + push"]["total_s"] / copy["total_s"]
+        rows.append(f"- state_dict + push: publish -> serving / copy's **{ratio:.2f}** (issue 40's "
+                    f"target <= 0.6: {_met(ratio <= 0.6)}); its floor is its paused `push` (vLLM's "
+                    f"load of tensors in memory).")
     for mode in CANARY_MODES:
         if copy and mode in modes:
             ratio = modes[mode]["total_s"] / copy["total_s"]
