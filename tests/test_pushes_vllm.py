@@ -172,3 +172,30 @@ async def test_a_failed_load_after_a_push_goes_back_to_the_pushed_version(publis
     for r in await _served(publisher, PROMPTS[:4]):
         assert r.samples[0].versions == [(2, 0)]
         reference.check(r.prompt_ids, r.samples[0])
+
+
+async def test_a_push_its_canary_refuses_is_not_served_and_not_held(publisher, follower, versions,
+                                                                     engine_v1):
+    """The canary gates pushes as it gates files (issue 41): v2 pushed with the canary of other
+    weights is refused with its figures after the push's load, v1 serves on, v2 is not tried
+    again from its files (the fingerprints proved them the same bytes), and the worker holds no
+    pin on it (a refused push left its pin behind for ever before: retention could never take
+    the version; seen failing with the release removed)."""
+    from rollq.canary import reference
+
+    weights, models = versions
+    worker = follower(swap_mode="drain")
+    await publisher.publish_weights(2, weights[2], push="shm", canary=reference(models[3]))
+    await wait_until(lambda: 2 in worker.cannot_load, timeout_s=60, what="v2 refused")
+    assert "canary refused" in worker.last_error and engine_v1.version == 1
+    assert worker.stats.totals.swap_failures == 1  # one try: the push, not its files after
+    await wait_until(lambda: _no_pins(publisher, 2), what="the refused version's pin released")
+    served = await _served(publisher, PROMPTS[:4])
+    reference_of = Reference(models)
+    for r in served:
+        assert r.samples[0].versions == [(1, 0)]
+        reference_of.check(r.prompt_ids, r.samples[0])
+
+
+async def _no_pins(client, version: int) -> bool:
+    return not await client.redis.zcard(client.keys.pins(version))

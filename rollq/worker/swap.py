@@ -171,7 +171,10 @@ class VersionFollower:
         if entry.tensors and pushes.reachable(entry.push, getattr(self.engine, "push_transport", None)):
             if await self._pushed(entry):
                 return
-            if version in self.versions.cannot_load:  # the engine died of it
+            if version in self.versions.cannot_load:  # its canary refused it, or the engine died
+                heartbeat.holds.discard(version)  # (never served here: retention may take it)
+                with contextlib.suppress(RedisError):
+                    await self.registry.unpin(version, self.worker_id)
                 return
             heartbeat.target = version  # refused: the files, as a worker that missed the push
         log.info("version %d: pinned; checking a private copy of its files", version)
