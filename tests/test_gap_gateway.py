@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import sys
 import time
 
 import aiohttp
 import pytest
 from helpers import wait_until
+from test_dashboard_live import CHROMIUM, _dom  # the headless page, as the dashboard tests read it
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollq.canary import TOLERANCES, CanaryCheck, Verdict
@@ -22,7 +22,6 @@ from rollq.protocol import GroupResult, Sample, pack_floats, pack_tokens
 from rollq.queue.keys import Keys
 from rollq.worker.heartbeat import Heartbeat
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _sample(worker: str, versions: list[list[int]], rollout: list[float], trainer: list[float]) -> dict:
@@ -160,11 +159,3 @@ async def _status_cli(redis_url: str, policy: str) -> str:
     assert proc.returncode == 0, out
     return out
 
-
-async def _dom(page: str) -> str:
-    proc = await asyncio.create_subprocess_exec(
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=6000",
-        "--dump-dom", page, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 90)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    return out.decode()
