@@ -264,3 +264,28 @@ async def test_a_worker_loading_wrong_bytes_shows_everywhere_and_its_gap_stands_
     print({w: (round(r.mean_abs, 6), r.outlier) for w, r in rows.items()})
     assert rows["bad"].outlier and not rows["good"].outlier
     assert rows["good"].mean_abs < 1e-4 < rows["bad"].mean_abs
+
+
+async def test_a_refused_newest_version_leaves_the_one_before_it_served(follower, make_client, tmp_path,
+                                                                       tiny_model):
+    """v2 (exact) and v3 (wrong) are both registered when the worker first looks: it goes for
+    v3, its canary refuses it, and the worker then loads v2, the newest it accepts, rather than
+    serving v1 for ever while jobs that need v2 wait (seen failing without the fallback: v1
+    served, the v2 job never ran)."""
+    trainer = make_client(weight_store=str(tmp_path / "store"))
+    base = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    weights = {k: v.clone() for k, v in base.state_dict().items()}
+    v2 = trainer_model(base.config, perturbed(weights, 2))
+    await trainer.publish_weights(2, v2, canary=True)
+    from rollq.canary import reference
+
+    await trainer.publish_weights(3, scaled_layer(dict(v2.state_dict())), canary=reference(v2))
+    worker = follower()
+    job = await trainer.submit(PROMPTS[:4], n=1, sampling=GREEDY, min_version=2)
+    results = await collect(trainer, 4, timeout_s=90)
+    assert 3 in worker.versions.cannot_load and worker.engine.version == 2
+    reference_of = Reference({2: v2})
+    for r in results:
+        assert r.job_id == job and r.status == "ok", r.reason
+        assert r.samples[0].versions == [(2, 0)]
+        reference_of.check(r.prompt_ids, r.samples[0])

@@ -67,6 +67,7 @@ class VersionFollower:
         self.base_schema = base_schema
         self.poll_s = poll_s
         self.tolerance = tolerance
+        self._below_refused_seen: tuple[int, int, int] | None = None
         self.push_timeout_s = push_timeout_s
         self.spoil: Callable[[int, Path], None] | None = None
         """Tests only: changes a checked snapshot's files before the engine loads them (a worker
@@ -124,6 +125,8 @@ class VersionFollower:
         engine = self.engine
         if self.adapters is not None:  # also notices adapters retention deregistered
             await self.adapters.refresh(newest)
+        if newest is not None and newest in versions.cannot_load and newest > engine.version:
+            newest = await self._below_refused(newest)
         if newest is None or newest <= engine.version or newest in versions.cannot_load:
             return
         target = newest
@@ -137,6 +140,21 @@ class VersionFollower:
             # must live on (else the worker never follows again) and never retry this version
             versions.refuse(target, f"version {target} refused: {type(e).__name__}: {e}")
             log.error("%s; still serving version %d", versions.last_error, engine.version)
+
+    async def _below_refused(self, newest: int) -> int | None:
+        """The newest refused here (its canary, a bad file): the newest full version between the
+        one served and it that is not, if any. Else a worker that went straight for a refused
+        version would serve the one before it for ever, and jobs that need a version in between
+        (published, valid, that other workers may serve) would wait on it. Read once per
+        (newest, served, refused) state: the registry's whole listing is not read every poll."""
+        seen = (newest, self.engine.version, len(self.versions.cannot_load))
+        if self._below_refused_seen == seen:
+            return None
+        self._below_refused_seen = seen
+        served, refused = self.engine.version, self.versions.cannot_load
+        return max((e.version for e in await self.registry.entries()
+                    if e.kind == "full" and served < e.version < newest and e.version not in refused),
+                   default=None)
 
     async def _full_target(self, newest: int) -> int | None:
         """The full version to swap to for the newest version (None: none). An adapter version
