@@ -81,6 +81,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     """Refuse to start on a Redis that may lose acknowledged work (no AOF, evicting policy)."""
     metrics_host: str = "127.0.0.1"
     """The address `/metrics` binds to."""
+    canary_refusal: Literal["previous", "none"] = "previous"
+    """After its canary refuses a version: serve the previous version on, or serve none (claim
+    nothing, hand back what waits) until a later version is accepted."""
     canary_tolerance: str | None = None
     """Largest figures a version's canary may show and still serve: `MAX,MEAN,KL` (max and
     mean |Δ logprob|, k3 KL) [default: by dtype, float32 1e-4,1e-5,1e-9; bf16/fp16 0.1,0.01,1e-4;

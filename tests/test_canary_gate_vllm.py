@@ -289,3 +289,29 @@ async def test_a_refused_newest_version_leaves_the_one_before_it_served(follower
         assert r.job_id == job and r.status == "ok", r.reason
         assert r.samples[0].versions == [(2, 0)]
         reference_of.check(r.prompt_ids, r.samples[0])
+
+
+async def test_serving_none_after_a_refusal_until_a_version_passes(follower, make_client, tmp_path,
+                                                                    tiny_model):
+    """`--canary-refusal none`: after v2's refusal the worker serves no version (it claims
+    nothing: a group any version could serve waits, none is served on v1), says so in its state,
+    and serves again once v3 is accepted."""
+    worker = follower(canary_refusal="none")
+    trainer = make_client(weight_store=str(tmp_path / "store"))
+    base = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    weights = {k: v.clone() for k, v in base.state_dict().items()}
+    v2 = trainer_model(base.config, perturbed(weights, 2))
+    from rollq.canary import reference
+
+    await trainer.publish_weights(2, scaled_layer(dict(v2.state_dict())), canary=reference(v2))
+    await wait_until(lambda: worker.state == "suspended", timeout_s=60, what="v2 refused, none served")
+    await trainer.submit(PROMPTS[:4], n=1, sampling=GREEDY)
+    assert not await trainer.take(4, timeout_s=2.0)  # nothing served meanwhile
+    v3 = trainer_model(base.config, perturbed(weights, 3))
+    await trainer.publish_weights(3, v3, canary=True)
+    results = await collect(trainer, 4, timeout_s=90)
+    assert worker.state == "serving" and worker.engine.version == 3
+    reference_of = Reference({3: v3})
+    for r in results:
+        assert r.status == "ok" and r.samples[0].versions == [(3, 0)]
+        reference_of.check(r.prompt_ids, r.samples[0])

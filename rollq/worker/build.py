@@ -36,5 +36,5 @@ def build_worker(s: WorkerSettings, redis: Redis, engine: Engine, *, max_infligh
                                    stats=worker.stats, worker_id=worker.worker_id,
                                    stopping=lambda: worker.stopping, mode=s.swap_mode,
                                    base_schema=base_schema, poll_s=s.poll_s, tolerance=s.tolerance(),
-                                   push_timeout_s=s.push_timeout_s)
+                                   push_timeout_s=s.push_timeout_s, refusal=s.canary_refusal)
     return worker, follower

@@ -108,7 +108,10 @@ class Worker:
 
     @property
     def state(self) -> str:
-        return "stopping" if self._stopping.is_set() else self.versions.swap
+        if self._stopping.is_set():
+            return "stopping"
+        return "suspended" if self.versions.suspended and self.versions.swap == "serving" \
+            else self.versions.swap
 
     @property
     def last_error(self) -> str:
@@ -180,6 +183,9 @@ class Worker:
             self._fatal = EngineDead("the engine died")
             self._stopping.set()
             return False
+        if self.versions.suspended:  # its canary refused the newest version: serve none until one passes
+            await _first(self._stopping.wait(), timeout=self.limits.poll_s)
+            return True
         free = self._free_slots()
         if free <= 0:
             self._slot_freed.clear()

@@ -155,7 +155,7 @@ class GroupServer:
         """SERVE when the loaded version is in the window and nothing needs reading to know it
         (most groups: no coroutine for them); None: ask `_decide`."""
         versions = self.versions
-        if item.max_staleness is not None or versions.adapters is not None:
+        if item.max_staleness is not None or versions.adapters is not None or versions.suspended:
             return None
         loaded, newest = self.engine.version, versions.newest
         if in_window(item, loaded, loaded if newest is None else max(newest, loaded)):
@@ -164,6 +164,8 @@ class GroupServer:
 
     async def _decide(self, item: WorkItem) -> Verdict:
         versions = self.versions
+        if versions.suspended:  # serving none (`--canary-refusal none`): another worker may
+            return Verdict(Decision.PASS)
         newest = versions.newest
         if item.max_staleness is not None:  # "newest" must be exact when staleness is bounded
             newest = await versions.read_newest()

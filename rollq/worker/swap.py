@@ -50,7 +50,7 @@ class VersionFollower:
     def __init__(self, engine: Engine, registry: Registry, versions: VersionState, *,
                  admission: Admission, heartbeat: Heartbeat, stats: WorkerStats, worker_id: str,
                  stopping: Callable[[], bool], mode: SwapMode, base_schema: Schema | None,
-                 poll_s: float, tolerance: Tolerance | None = None,
+                 poll_s: float, tolerance: Tolerance | None = None, refusal: str = "previous",
                  push_timeout_s: float = pushes.PUSH_TIMEOUT_S):
         """The worker's parts it uses: `admission` (the gate a swap closes), `heartbeat` (pins
         held, the target), `stats` (swaps), `stopping` (when to end). `tolerance`: the
@@ -67,6 +67,8 @@ class VersionFollower:
         self.base_schema = base_schema
         self.poll_s = poll_s
         self.tolerance = tolerance
+        self.refusal = refusal
+        """`--canary-refusal`: after a refusal, serve the `previous` version or `none`."""
         self._below_refused_seen: tuple[int, int, int] | None = None
         self.push_timeout_s = push_timeout_s
         self.spoil: Callable[[int, Path], None] | None = None
@@ -299,6 +301,8 @@ class VersionFollower:
                 phases |= {("push" if k == "load" else k): v for k, v in pushed.items()}
         except CanaryRefused as e:  # back on its old weights; the same bytes by files would fail too
             versions.refuse(version, f"version {version} refused: {e}")
+            if self.refusal == "none":
+                versions.suspend(versions.last_error)
             if e.verdict is not None:
                 versions.checked(version, e.verdict)
             self.stats.swap(False, time.monotonic() - began, phases)
@@ -322,6 +326,7 @@ class VersionFollower:
                  "push" if push else "swap", time.monotonic() - began,
                  ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items()))
         self.stats.swap(True, time.monotonic() - began, phases)
+        versions.resume()  # (a version accepted: a worker that served none serves again)
         if canary is not None and engine.verdict is not None:
             versions.checked(version, engine.verdict)
             log.info("version %d: %s", version, engine.verdict.describe())

@@ -35,6 +35,9 @@ class VersionState:
         self.error_at = 0.0
         self.adapters: ResidentAdapters | None = None
         """Adapter versions served beside the loaded one (engines with adapter support)."""
+        self.suspended = ""
+        """Why this worker serves no version (`--canary-refusal none` after a refusal); "": it
+        serves the one loaded."""
         self.canaries: deque[CanaryCheck] = deque(maxlen=MAX_REPORTED_CHECKS)
         """The latest canary checks, accepted and refused (the heartbeat reports them)."""
 
@@ -51,6 +54,12 @@ class VersionState:
     def checked(self, version: int, verdict: Verdict, *, adapter: bool = False) -> None:
         """A canary check's outcome, for the heartbeat (a refusal is also `refuse`d)."""
         self.canaries.append(CanaryCheck(version, verdict, time.time(), adapter))
+
+    def suspend(self, reason: str) -> None:
+        self.suspended = reason
+
+    def resume(self) -> None:
+        self.suspended = ""
 
     def skip(self, version: int) -> None:
         """`version` is not servable by this worker (no error: another worker may serve it)."""
