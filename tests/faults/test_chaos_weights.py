@@ -33,10 +33,14 @@ def test_short_weight_chaos_run_loses_nothing_and_labels_every_token_right(tmp_p
     assert s["distinguishable_prompts"] >= len(PROMPTS) - 2
     # Every kind of fault happened, and they bit: damaged versions were refused, the others
     # served (both workers swapped many times), and the followers still reached the last one.
-    # Each kind dealt at least once publishes: storm 3, corrupted, rewritten, truncated 1 each;
-    # then the final version. (This short run may deal each only once: exactly 7.)
-    assert set(FAULTS) <= set(s["faults"]) and s["versions_published"] >= 3 + 1 + 1 + 1 + 1
+    # Each kind dealt at least once publishes: storm 3, the six others 1 each; then the final
+    # version. (This short run may deal each only once: exactly 10.)
+    # Pushes and canaries (issues 40, 41): pushed 1, push_cut 1, canary_wrong 1 more.
+    assert set(FAULTS) <= set(s["faults"]) and s["versions_published"] >= 3 + 1 + 1 + 1 + 3 + 1
     assert sum(s["refusals"].values()) >= 1
+    # Every worker took the pushed version by its push, and refused the wrong canary's version.
+    assert all(n >= 1 for n in s["pushes"].values()) and len(s["pushes"]) == 2, s["pushes"]
+    assert all(n >= 1 for n in s["canary_refusals"].values()), s["canary_refusals"]
     # What every worker must have served, however the races fell: the storm's last version (the
     # faults are paced, so no worker skips it) and the final one. Refused damage, a rewrite a
     # worker copied too late and a racing corruption may each add a refusal instead of a swap.

@@ -11,7 +11,15 @@ the version it then serves:
 - `rewritten`: a version published by reference, then, once a worker has verified it (it drains
   toward it or loads it), its file rewritten in place with another weight set's bytes;
 - `truncated`: a two-shard version published by reference, then one shard cut short (workers
-  frozen until then).
+  frozen until then);
+- `pushed`: a version's tensors published with `push="shm"`: every worker (started with the
+  `rollq_shm` weight-transfer backend) takes it straight into its engine (issue 40);
+- `push_cut`: a pushed version whose shm segment is cut short (workers frozen until then, as a
+  trainer killed mid-write would leave it): its fingerprints refuse it, and each worker loads the
+  version's intact files instead;
+- `canary_wrong`: a version published with the canary of another weight set (the trainer's
+  model and the engine's bytes disagree): every worker's check refuses it (issue 41), the
+  registry marks it refused everywhere, and the previous version serves on.
 Every publish uses `keep=1`. Version v is weight set `v % 3` (`rollq/harness/chaos/reference.py`), so the
 reference of every label is known whatever happened to the files.
 
@@ -44,7 +52,8 @@ import msgspec
 from rich.console import Console
 from safetensors.torch import save_file
 
-from rollq.harness.chaos.reference import WEIGHT_SETS, Reference, WeightSets, make_tiny_model
+from rollq.harness.chaos.reference import (WEIGHT_SETS, Reference, WeightSets, make_tiny_model,
+                                           weight_set)
 from rollq.children import stop_children
 from rollq.client import RolloutClient
 from rollq.harness.faults import RedisProcess
@@ -52,7 +61,9 @@ from rollq.protocol import GroupResult
 from rollq.queue.workers import live_workers
 
 POLICY = "chaos-weights"
-FAULTS = ("storm", "corrupted", "rewritten", "truncated")
+FAULTS = ("storm", "corrupted", "rewritten", "truncated", "pushed", "push_cut", "canary_wrong")
+PUSH_ENGINE = '{"backend": "rollq_shm"}'
+"""Every worker's `weight_transfer_config`: it takes pushes (and files, as any worker)."""
 MODES = ("drain", "interrupt")
 PROMPTS = [[1, 7 + 13 * i, 3 + i] for i in range(16)]
 IN_FLIGHT = 48
@@ -101,6 +112,10 @@ class WeightSummary(msgspec.Struct):
     exit_codes: list[int]
     evidence: list[str] = []
     """One line per mislabeled segment, lost or failed group (the first 50)."""
+    pushes: dict[str, int] = {}
+    """Worker id -> versions it took by a push."""
+    canary_refusals: dict[str, int] = {}
+    """Worker id -> versions its canary check refused."""
 
     @property
     def ok(self) -> bool:
@@ -138,7 +153,8 @@ class _Run:
              POLICY, "--worker-id", worker_id, "--engine", "vllm", "--model", str(model),
              "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "32",
              "--enforce-eager", "--seed", "0", "--lease-s", "6", "--poll-s", "0.2",
-             "--grace-s", "10", "--swap-mode", MODES[index % len(MODES)]],
+             "--grace-s", "10", "--swap-mode", MODES[index % len(MODES)],
+             "--engine-arg", f"weight_transfer_config={PUSH_ENGINE}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)))
         log.close()
 
@@ -188,9 +204,9 @@ async def _reader(run: _Run, workers_gone: asyncio.Event) -> None:
     await run.client.ack()
 
 
-async def _publish(run: _Run, source, *, copy: bool) -> int:
+async def _publish(run: _Run, source, *, copy: bool, **how) -> int:
     run.version += 1
-    await run.client.publish_weights(run.version, source, copy=copy, keep=1)
+    await run.client.publish_weights(run.version, source, copy=copy, keep=1, **how)
     return run.version
 
 
@@ -238,6 +254,21 @@ async def _fault(run: _Run, kind: str) -> None:
         run.faults[await _verified_by_a_worker(run, next_version)] += 1
         with open(directory / "model.safetensors", "r+b") as f:  # in place: same inode, same size
             f.write((other / "model.safetensors").read_bytes())
+    elif kind == "pushed":
+        await _publish(run, run.sets.of(next_version), copy=True, push="shm")
+    elif kind == "push_cut":
+        async with _workers_frozen(run, True):
+            await _publish(run, run.sets.of(next_version), copy=True, push="shm")
+            entry = await run.client.registry.get(next_version)
+            if entry is not None and entry.push is not None:
+                segment = Path(entry.push.address)
+                with open(segment, "r+b") as f:  # as a trainer killed mid-write leaves it
+                    f.truncate(run.rng.randrange(1, segment.stat().st_size))
+    elif kind == "canary_wrong":
+        from rollq.canary import reference
+
+        other = run.sets.models[weight_set(next_version + 1)]
+        await _publish(run, run.sets.of(next_version), copy=True, canary=reference(other))
     else:
         directory = _save(run, next_version, next_version, 2)
         shard = run.rng.choice(sorted(directory.glob("*.safetensors")))
@@ -375,10 +406,12 @@ async def chaos_weights(s: WeightChaosSettings) -> WeightSummary:
         try:
             reached, codes, alive = await _run(run, model)
             swaps, refusals = _worker_counts(run)
+            pushes, canary_refusals = _push_counts(run)
         finally:
             await client.close()
             redis.stop()
         summary = _summarize(run, seed, reached, codes, alive, swaps, refusals)
+        summary.pushes, summary.canary_refusals = pushes, canary_refusals
         if not summary.ok:  # the workers' logs are evidence too: keep them past the temp dir
             kept = Path(tempfile.mkdtemp(prefix="rollq-chaos-weights-logs-"))
             for worker_id, _ in run.workers:
@@ -392,6 +425,18 @@ def _worker_counts(run: _Run) -> tuple[dict[str, int], dict[str, int]]:
     swaps = {w: text.count("now serving version") for w, text in logs.items()}
     refusals = {w: text.count("still serving version") for w, text in logs.items()}
     return swaps, refusals
+
+
+_PUSHED = re.compile(r"now serving version \d+ \(\w+ push,")
+_CANARY_REFUSED = re.compile(r"version (\d+) refused: version \d+: canary refused")
+"""The follower's line (the engine's traceback names the exception before it instead)."""
+
+
+def _push_counts(run: _Run) -> tuple[dict[str, int], dict[str, int]]:
+    """Per worker: versions taken by a push, versions its canary refused (from its log)."""
+    logs = {worker_id: run.log_of(worker_id) for worker_id, _ in run.workers}
+    return ({w: len(_PUSHED.findall(text)) for w, text in logs.items()},
+            {w: len(set(_CANARY_REFUSED.findall(text))) for w, text in logs.items()})
 
 
 def _summarize(run: _Run, seed: int, reached: bool, codes: list[int], alive: int,
@@ -439,7 +484,8 @@ def render(summary: WeightSummary) -> None:
     console.print(f"statuses {summary.statuses}; faults {summary.faults}; versions published "
                   f"{summary.versions_published}; final version {summary.final_version} reached by "
                   f"every worker: {summary.final_version_reached}; swaps {summary.swaps}; refusals "
-                  f"{summary.refusals}; workers alive {summary.workers_alive}/{summary.workers}, "
+                  f"{summary.refusals}; pushes taken {summary.pushes}; canary refusals "
+                  f"{summary.canary_refusals}; workers alive {summary.workers_alive}/{summary.workers}, "
                   f"exit codes {summary.exit_codes}; seed {summary.seed}")
     for line in summary.evidence:
         console.print(f"[red]{line}[/red]")
