@@ -8,6 +8,8 @@ Run by hand (`ROLLQ_LONG_TESTS=1`), not in CI: its two ranks take both of the CI
 for ~40 s, which the suite's 20-minute budget did not have (passed in CI run 1 of session 17:
 37.7 s)."""
 
+import asyncio
+
 import pytest
 from conftest import LONG, engine_flags
 from helpers import collect, wait_until
@@ -57,3 +59,36 @@ async def test_two_ranks_serve_swap_and_take_a_push(publisher, follower, version
     await wait_until(lambda: engine_v1.version == 3, timeout_s=60, what="v3 pushed")
     assert "push" in worker.stats.totals.last_swap, worker.last_error
     await check(3)
+
+
+
+@pytest.mark.timeout(600)
+async def test_a_rank_that_dies_takes_its_worker_down_and_its_groups_go_to_another(
+        publisher, engine_v1, make_worker, tiny_model):
+    """Issue 40: one of the two ranks SIGKILLed while groups run. vLLM's engine core fails, the
+    worker stops with exit code 1 (it never serves on one rank), every group it held is handed
+    back, and another worker (the instant engine, standing in for the pool's replacement)
+    serves each exactly once. Last in the module: the engine is dead after it."""
+    import os
+    import signal
+    from collections import Counter
+
+    import psutil
+
+    from rollq.registry.safetensors_check import dir_schema
+
+    worker, task = make_worker("tp2", engine=engine_v1, base_schema=dir_schema(tiny_model),
+                               max_inflight=32, max_inflight_seqs=32)
+    job = await publisher.submit(PROMPTS[:12], n=1, sampling=GREEDY | {"max_tokens": 200})
+    await wait_until(lambda: len(worker.admission.generating) >= 4, timeout_s=120,
+                     what="groups running on the two ranks")
+    children = psutil.Process(os.getpid()).children(recursive=True)
+    ranks = [p for p in children if "TP1" in p.name() + " ".join(p.cmdline())]
+    assert ranks, [(p.name(), p.cmdline()[:2]) for p in children]
+    os.kill(ranks[0].pid, signal.SIGKILL)
+    assert await asyncio.wait_for(task, 120) == 1  # stopped: the engine died
+    assert not engine_v1.alive or worker.stopping
+    make_worker("replacement")  # the instant engine
+    results = await collect(publisher, 12, timeout_s=120)
+    assert Counter((r.job_id, r.group_index) for r in results) == Counter((job, g) for g in range(12))
+    assert all(r.status == "ok" for r in results), [r.reason for r in results]
