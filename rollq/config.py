@@ -12,6 +12,7 @@ from typing import Any, Literal
 import msgspec
 
 from rollq.canary import Tolerance
+from rollq.engine.pushes import PUSH_TIMEOUT_S
 from rollq.protocol import MAX_VERSION, InvalidInput, SwapMode, check_id
 from rollq.queue.connection import DEFAULT_URL
 
@@ -88,7 +89,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     """Largest figures a version's canary may show and still serve: `MAX,MEAN,KL` (max and
     mean |Δ logprob|, k3 KL) [default: by dtype, float32 1e-4,1e-5,1e-9; bf16/fp16 0.1,0.01,1e-4;
     a publish may override it]."""
-    push_timeout_s: float = 120.0
+    push_timeout_s: float = PUSH_TIMEOUT_S
     """Longest a pushed version's bytes may take to be read and checked (engines started with a
     rollq weight-transfer backend): past it the push is refused, nothing loaded, and the worker
     loads the version's files instead."""

@@ -374,17 +374,26 @@ class VLLMEngine:
         while self._swaps_done < self._swaps_begun:  # never score beside a swap
             await self._swap_done.wait()
         began = self._swaps_begun
-        try:
-            verdict = await canary_check.check(self.llm, canary, tolerance=tolerance,
-                                               lora_request=adapter.request())
-        except Exception as e:
-            raise CanaryRefused(adapter.version, None, f"its canary could not be scored: "
-                                                       f"{type(e).__name__}: {e}") from e
+        verdict = await self._judged(adapter.version, canary, tolerance, adapter.request())
         if self._swaps_begun != began:
             raise CanaryRefused(adapter.version, None, "the base weights were swapped during its check")
+        return verdict
+
+    async def _judged(self, version: int, canary: Canary, tolerance: Tolerance | None,
+                      lora_request: Any = None) -> Verdict:
+        """The canary scored on the engine's weights (with `lora_request`, if any) and judged: the
+        verdict kept in `verdict`; CanaryRefused beyond tolerance, or when it cannot be scored
+        (the publisher's mistake or the engine's: never served unchecked)."""
+        try:
+            verdict = await canary_check.check(self.llm, canary, tolerance=tolerance,
+                                               lora_request=lora_request)
+        except Exception as e:
+            self.verdict = None
+            raise CanaryRefused(version, None, f"its canary could not be scored: "
+                                               f"{type(e).__name__}: {e}") from e
         self.verdict = verdict
         if not verdict.accepted:
-            raise CanaryRefused(adapter.version, verdict)
+            raise CanaryRefused(version, verdict)
         return verdict
 
     async def remove_adapter(self, version: int) -> None:
@@ -764,7 +773,7 @@ class VLLMEngine:
             raise RuntimeError(f"weights loaded from {path} give a logprob of {logprob}")
 
     async def _check_canary(self, version: int, canary: Canary, tolerance: Tolerance | None,
-                            lap: Any = None, lora_request: Any = None) -> Verdict:
+                            lap: Any = None) -> Verdict:
         """Score `canary` on the weights just loaded (generation resumed); raise CanaryRefused
         beyond tolerance, or when it cannot be scored. `lap`: the swap's phase timer (the load's
         time up to here is `load`, the check's is `canary`)."""
@@ -773,17 +782,8 @@ class VLLMEngine:
         pending = self._checking[version] = asyncio.get_running_loop().create_future()
         refused = True
         try:
-            try:
-                # Full weights are scored without the zero adapter, as the probe is.
-                verdict = await canary_check.check(self.llm, canary, tolerance=tolerance,
-                                                   lora_request=lora_request)
-            except Exception as e:  # the publisher's mistake or the engine's: not served unchecked
-                self.verdict = None
-                raise CanaryRefused(version, None, f"its canary could not be scored: "
-                                                   f"{type(e).__name__}: {e}") from e
-            self.verdict = verdict
-            if not verdict.accepted:
-                raise CanaryRefused(version, verdict)
+            # Full weights are scored without the zero adapter, as the probe is.
+            verdict = await self._judged(version, canary, tolerance)
             refused = False
             return verdict
         finally:

@@ -315,7 +315,7 @@ async def _status(request: web.Request) -> PolicyStatus:
     """The policy's status; without the `observe` scope, only what is the token's own business
     (`pool_view.unobserved`): `observe` guards every trainer's names, counts and failures."""
     gw, policy, who = _context(request)
-    observer = gw.settings.public_observe or who.may("observe")
+    observer = _observes(gw, who)
     # The gap: every trainer's for an observer, else the token's own trainer's reports only.
     found = await policy_status(gw.redis, policy, gap_of="" if observer else who.trainer)
     return found if observer else unobserved(found, who.trainer)
@@ -336,8 +336,13 @@ async def get_gap(request: web.Request) -> web.Response:
     """The gap per version and worker: every trainer's with the `observe` scope, else the token's
     own trainer's reports."""
     gw, policy, who = _context(request)
-    only = None if gw.settings.public_observe or who.may("observe") else who.trainer
+    only = None if _observes(gw, who) else who.trainer
     return reply(request, await gap.read(gw.redis, Keys(policy), only))
+
+
+def _observes(gw, who: Principal) -> bool:
+    """May `who` see every trainer's figures (the `observe` scope, or the gateway made it public)?"""
+    return gw.settings.public_observe or who.may("observe")
 
 
 # --- OpenAI-compatible -----------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable
 
@@ -67,6 +68,13 @@ class Heartbeat:
         self._pinned_to = version if pinned else None
         for held in list(self.holds):
             await self.registry.pin(held, self.worker_id, self.ttl_s)
+
+    async def release(self, version: int) -> None:
+        """Stop renewing this worker's pin on `version` and remove it (if Redis is away, the
+        lease lapses by itself)."""
+        self.holds.discard(version)
+        with contextlib.suppress(RedisError):
+            await self.registry.unpin(version, self.worker_id)
 
     async def remove(self) -> None:
         try:

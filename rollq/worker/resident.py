@@ -193,9 +193,7 @@ class ResidentAdapters:
         await self._evict()
 
     async def _unpin(self, version: int) -> None:
-        self.heartbeat.holds.discard(version)
-        with contextlib.suppress(RedisError):  # else the lease lapses by itself
-            await self.registry.unpin(version, self.worker_id)
+        await self.heartbeat.release(version)
 
     async def _evict(self) -> None:
         """Keep at most `capacity` adapters loaded, the least recently used going first."""

@@ -192,9 +192,7 @@ class VersionFollower:
             if await self._pushed(entry):
                 return
             if version in self.versions.cannot_load:  # its canary refused it, or the engine died
-                heartbeat.holds.discard(version)  # (never served here: retention may take it)
-                with contextlib.suppress(RedisError):
-                    await self.registry.unpin(version, self.worker_id)
+                await heartbeat.release(version)  # (never served here: retention may take it)
                 return
             heartbeat.target = version  # refused: the files, as a worker that missed the push
         log.info("version %d: pinned; checking a private copy of its files", version)
@@ -349,17 +347,13 @@ class VersionFollower:
     async def _release_unchecked(self) -> None:
         version, self._unchecked = self._unchecked, None
         if version is not None:
-            self.heartbeat.holds.discard(version)
-            with contextlib.suppress(RedisError):
-                await self.registry.unpin(version, self.worker_id)
+            await self.heartbeat.release(version)
 
     async def _release(self, version: int, snapshot: Path) -> None:
         """The engine reads `snapshot` no more (swapped past it, or back from it): its files
         are kept as the spare the next version's copy writes over."""
-        self.heartbeat.holds.discard(version)
         self.snapshots.drop(snapshot, spare=True)
-        with contextlib.suppress(RedisError):  # else the lease lapses by itself
-            await self.registry.unpin(version, self.worker_id)
+        await self.heartbeat.release(version)
 
 
 async def load_pinned(engine: Engine, registry: Registry, heartbeat: Heartbeat, worker_id: str,
