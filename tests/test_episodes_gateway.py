@@ -56,7 +56,10 @@ async def test_a_gateway_killed_mid_turn_and_restarted_takes_its_episodes_over(
                 assert r.status == 201, await r.text()
                 sequence = [5, 6, *(await r.json())["episodes"][0]["tokens"]]
             turn = asyncio.ensure_future(http.post(f"{base}/e1.0/turns", json={"tokens": [7]}))
-            await wait_until(lambda: jobs.outstanding(redis, Keys(policy), derived), what="queued")
+            # The turn's own job queued (not the trainer's count: the start's result, answered
+            # before it is acknowledged, may hold it up a moment longer).
+            record_key = Keys(policy).episode("alice", "e1.0")
+            await wait_until(lambda: _turn_queued(redis, policy, derived, record_key), what="queued")
             gateways[0].send_signal(signal.SIGKILL)
             gateways[0].wait()
             turn.cancel()
@@ -68,7 +71,6 @@ async def test_a_gateway_killed_mid_turn_and_restarted_takes_its_episodes_over(
             await wait_until(lambda: _up(http), timeout_s=120, what="the restarted gateway")
             # No request at all (a GET would open the trainer's Episodes too): the start-up
             # take-over alone applies the turn; read the record from Redis.
-            record_key = Keys(policy).episode("alice", "e1.0")
             await wait_until(lambda: _idle_in_redis(redis, record_key), what="the turn applied")
             async with http.get(f"{base}/e1.0") as r:
                 record = await r.json()
@@ -85,6 +87,11 @@ async def test_a_gateway_killed_mid_turn_and_restarted_takes_its_episodes_over(
 
 async def _idle_in_redis(redis, record_key: str) -> bool:
     return await redis.hget(record_key, EpisodeField.STATE) == EpisodeState.IDLE.encode()
+
+
+async def _turn_queued(redis, policy: str, trainer: str, record_key: str) -> bool:
+    job = await redis.hget(record_key, EpisodeField.TURN_JOB)
+    return bool(job) and bool(await redis.exists(Keys(policy).job(trainer, job.decode())))
 
 
 async def _pruned(redis, policy: str, trainer: str) -> bool:
