@@ -45,3 +45,13 @@ def drop_a_reply(monkeypatch, redis, command: str, pick=lambda reply: True) -> l
 
     monkeypatch.setattr(redis, "parse_response", parse_then_drop)
     return dropped
+
+
+async def turn_queued(redis, keys, submitter: str, record_key: str) -> bool:
+    """An episode's running turn has its job queued (the record names the turn's job, whose
+    record exists), not just begun. Not the submitter's outstanding count: a result answered
+    before its ack (the start's) holds that count up a moment longer."""
+    from rollq.queue.names import EpisodeField
+
+    job = await redis.hget(record_key, EpisodeField.TURN_JOB)
+    return bool(job) and bool(await redis.exists(keys.job(submitter, job.decode())))

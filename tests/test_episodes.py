@@ -6,7 +6,7 @@ import asyncio
 import math
 
 import pytest
-from helpers import drop_a_reply, wait_until
+from helpers import drop_a_reply, turn_queued, wait_until
 
 from rollq.engine.instant import FAIL_TOKEN, expected_tokens
 from rollq.client.episodes import EpisodeError, turn_seed
@@ -200,7 +200,8 @@ async def test_a_restarted_client_recovers_the_turns_its_predecessor_left_runnin
     await wait_until(lambda: before.get(first.episode_id), what="the record")
     await wait_until(lambda: _running(before, first.episode_id), what="the turn to run")
     sub = before._submitter
-    await wait_until(lambda: jobs.outstanding(sub.redis, sub.keys, sub.trainer_id), what="it queued")
+    await wait_until(lambda: turn_queued(sub.redis, sub.keys, sub.trainer_id,
+                                          before._key(first.episode_id)), what="it queued")
     turn.cancel()
     await before.close()  # the trainer is gone before the turn's result arrives
 

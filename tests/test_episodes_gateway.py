@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 from gateway_fixtures import write_tokens
-from helpers import wait_until
+from helpers import turn_queued, wait_until
 
 from rollq.harness.faults import reserved_port
 from rollq.queue import jobs
@@ -56,10 +56,8 @@ async def test_a_gateway_killed_mid_turn_and_restarted_takes_its_episodes_over(
                 assert r.status == 201, await r.text()
                 sequence = [5, 6, *(await r.json())["episodes"][0]["tokens"]]
             turn = asyncio.ensure_future(http.post(f"{base}/e1.0/turns", json={"tokens": [7]}))
-            # The turn's own job queued (not the trainer's count: the start's result, answered
-            # before it is acknowledged, may hold it up a moment longer).
             record_key = Keys(policy).episode("alice", "e1.0")
-            await wait_until(lambda: _turn_queued(redis, policy, derived, record_key), what="queued")
+            await wait_until(lambda: turn_queued(redis, Keys(policy), derived, record_key), what="queued")
             gateways[0].send_signal(signal.SIGKILL)
             gateways[0].wait()
             turn.cancel()
@@ -87,11 +85,6 @@ async def test_a_gateway_killed_mid_turn_and_restarted_takes_its_episodes_over(
 
 async def _idle_in_redis(redis, record_key: str) -> bool:
     return await redis.hget(record_key, EpisodeField.STATE) == EpisodeState.IDLE.encode()
-
-
-async def _turn_queued(redis, policy: str, trainer: str, record_key: str) -> bool:
-    job = await redis.hget(record_key, EpisodeField.TURN_JOB)
-    return bool(job) and bool(await redis.exists(Keys(policy).job(trainer, job.decode())))
 
 
 async def _pruned(redis, policy: str, trainer: str) -> bool:

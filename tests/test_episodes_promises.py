@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import turn_queued, wait_until
 
 from rollq.client.episodes import EpisodeError
 from rollq.queue import jobs
@@ -101,7 +101,8 @@ async def test_end_during_a_running_turn_returns_the_episodes_last_record(make_c
     [first] = await episodes.start([1, 2, 3], sampling=SAMPLING)
     turn = asyncio.create_task(episodes.turn(first.episode_id, [9, 9]))
     sub = episodes._submitter
-    await wait_until(lambda: jobs.outstanding(sub.redis, sub.keys, sub.trainer_id), what="it queued")
+    await wait_until(lambda: turn_queued(sub.redis, sub.keys, sub.trainer_id,
+                                          episodes._key(first.episode_id)), what="it queued")
     ended = await episodes.end(first.episode_id)
     with pytest.raises(EpisodeError, match="ended while this turn ran") as raised:
         await turn
@@ -173,7 +174,8 @@ async def test_a_turn_sent_again_with_its_turn_id_is_appended_once(make_client, 
     assert (await episodes.get(first.episode_id)).turns == 3  # no key: each call is a turn
     running = asyncio.create_task(episodes.turn(first.episode_id, [4], turn_id="step-4"))
     sub = episodes._submitter
-    await wait_until(lambda: jobs.outstanding(sub.redis, sub.keys, sub.trainer_id), what="it queued")
+    await wait_until(lambda: turn_queued(sub.redis, sub.keys, sub.trainer_id,
+                                          episodes._key(first.episode_id)), what="it queued")
     again = await episodes.turn(first.episode_id, [4], turn_id="step-4")  # while it runs
     once = await running
     later = await episodes.turn(first.episode_id, [4], turn_id="step-4")  # after it was served
