@@ -206,6 +206,98 @@ async def test_a_worker_that_joins_while_a_push_runs(publisher, follower, versio
     await _served_once(publisher, PROMPTS[:12], results, Reference(models))
 
 
+def _hold_store_write(monkeypatch, outcome=None):
+    """The trainer's store writes wait until the returned event is set, then write, or raise
+    `outcome`."""
+    import threading
+
+    from rollq.registry.store import WeightStore
+
+    release, write = threading.Event(), WeightStore.write_image
+
+    def held(*args, **kwargs):
+        release.wait(120)
+        if outcome is not None:
+            raise outcome
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(WeightStore, "write_image", held)
+    return release
+
+
+async def test_a_push_serves_before_its_files_are_written(publisher, follower, versions, engine_v1,
+                                                          plain_engine, make_worker, tiny_model,
+                                                          monkeypatch):
+    """A push publish registers the version as soon as its segment is written: the pushing worker
+    serves v2 while the trainer's store write has not even begun; a worker that cannot take the
+    push waits for the files and loads them once written; the pusher then makes them its
+    restore point. (Seen failing before: the version was registered only after its files, so
+    nothing served v2 while the write was held.)"""
+    from rollq.registry.safetensors_check import dir_schema
+
+    weights, models = versions
+    if plain_engine.version != 1:
+        await plain_engine.swap(1, str(tiny_model))
+    release = _hold_store_write(monkeypatch)
+    pusher = follower(swap_mode="drain")
+    joiner, _ = make_worker(engine=plain_engine, base_schema=dir_schema(tiny_model))
+    publishing = await publisher.publish_weights(2, weights[2], push="shm", wait=False)
+    try:
+        await wait_until(lambda: engine_v1.version == 2 and not engine_v1.swapping, timeout_s=60,
+                         what="v2 pushed before its files")
+        entry = await publisher.registry.get(2)
+        assert _pushed(pusher) and not os.path.exists(entry.path)
+        assert plain_engine.version == 1 and joiner.heartbeat.target == 2  # waiting for the files
+        await publisher.submit(PROMPTS[:4], n=1, sampling=GREEDY, min_version=2)
+        results = await collect(publisher, 4)
+        assert {r.worker_id for r in results} == {pusher.worker_id}
+    finally:
+        release.set()
+    await publishing
+    await wait_until(lambda: plain_engine.version == 2, timeout_s=60, what="the joiner on v2's files")
+    await wait_until(lambda: pusher.follower.loaded and pusher.follower.loaded[0] == 2,
+                     what="the pusher's restore point on v2's files")
+    await publisher.submit(PROMPTS[4:12], n=1, sampling=GREEDY, min_version=2)
+    results += await collect(publisher, 8)
+    assert {v for r in results for v, _ in r.samples[0].versions} == {2}
+    reference = Reference(models)
+    for r in results:
+        reference.check(r.prompt_ids, r.samples[0])
+
+
+async def test_a_push_whose_files_are_never_written(publisher, follower, versions, engine_v1,
+                                                    plain_engine, make_worker, tiny_model, monkeypatch):
+    """The trainer's store write fails after its push registered v2 (a full disk; a trainer
+    killed there is the same to the workers): the publish raises, the pusher serves v2 from its
+    checked push, the worker that missed it serves v1 and waits, and once v3 is registered
+    it stops waiting and both serve v3."""
+    from rollq.registry.safetensors_check import dir_schema
+
+    weights, models = versions
+    if plain_engine.version != 1:
+        await plain_engine.swap(1, str(tiny_model))
+    release = _hold_store_write(monkeypatch, OSError(28, "No space left on device"))
+    pusher = follower(swap_mode="drain")
+    joiner, _ = make_worker(engine=plain_engine, base_schema=dir_schema(tiny_model))
+    publishing = await publisher.publish_weights(2, weights[2], push="shm", wait=False)
+    await wait_until(lambda: engine_v1.version == 2 and not engine_v1.swapping, timeout_s=60,
+                     what="v2 pushed")
+    release.set()
+    with pytest.raises(OSError, match="No space left"):
+        await publishing
+    assert _pushed(pusher) and plain_engine.version == 1 and joiner.heartbeat.target == 2
+    monkeypatch.undo()
+    await publisher.publish_weights(3, weights[3])  # by files
+    await wait_until(lambda: plain_engine.version == 3 and engine_v1.version == 3, timeout_s=60,
+                     what="both on v3")
+    await publisher.submit(PROMPTS[:8], n=1, sampling=GREEDY)
+    results = await collect(publisher, 8)
+    assert {v for r in results for v, _ in r.samples[0].versions} == {3}
+    reference = Reference(models)
+    for r in results:
+        reference.check(r.prompt_ids, r.samples[0])
+
+
 async def _held_by(client, consumer: str) -> int:
     info = await client.redis.xpending(client.keys.work("trainer"), "workers")
     return {c["name"].decode(): c["pending"] for c in info["consumers"]}.get(consumer, 0)

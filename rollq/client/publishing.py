@@ -2,14 +2,15 @@
 the trainer's next optimizer step (a state_dict packed into a staging buffer, a sharded model
 gathered, a PEFT adapter extracted), then its files written into the weight store and hashed,
 then the version committed (`registry/commit.py`, the step the gateway's publish shares), in the
-order the publishes were made."""
+order the publishes were made. A push commits first: its segment and fingerprints, then the
+version registered with the offer, then its files written (`Publisher._push_first`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor, wait as wait_all
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,14 @@ from redis.asyncio import Redis
 
 from rollq.canary import Canary, encode_canary, reference
 from rollq.engine import pushes
-from rollq.protocol import InvalidInput, PushOffer, TensorDigest, Version, VersionEntry, typed
+from rollq.protocol import FileDigest, InvalidInput, PushOffer, TensorDigest, Version, VersionEntry, typed
 from rollq.queue.keys import Keys
 from rollq.registry.adapters import is_adapter_dir
 from rollq.registry.commit import commit_files
 from rollq.registry.retention import retain
 from rollq.registry.sources import adapter_of, gathered, is_sharded, named_tensors
 from rollq.registry.staging import Staging
-from rollq.registry.store import WeightStore, adapter_files, digest_dir
+from rollq.registry.store import WeightStore, adapter_files, digest_dir, image_digest
 from rollq.registry.versions import Registry
 
 log = logging.getLogger("rollq.client")
@@ -139,36 +140,27 @@ class Publisher:
         if previous is not None:
             await asyncio.wait([previous])  # its outcome is its own caller's to see
         store = WeightStore(self.weight_store, durable=False)
-        # A copy in the store is registered before its fsyncs: workers copy and verify its bytes
-        # from the page cache while it becomes durable (fsyncs on a shared disk wait for every
-        # other writer's journal commits: the adapter's store step took up to ~175 ms under
-        # load; a checkpoint's fsync writes all of it to disk); the call returns once durable. What
-        # a crash leaves at each step: docs/architecture.md, "Versions before they are durable".
-        offered: tuple[list[TensorDigest], PushOffer | None] = ([], None)
-        if push is not None:  # the files and the push's segment from the same packed bytes
-            path, files, offered = await asyncio.to_thread(self._write_pushed, store, version, source)
-            owned = True
-        elif adapter_on is None:
-            path, files, owned = await asyncio.to_thread(self._write_weights, store, version,
-                                                         source, copy)
+        entry = None
+        if push is not None:
+            entry = await self._push_first(store, version, source, canary)
+        if entry is not None:
+            path, owned = Path(entry.path), True
         else:
-            path, files = await asyncio.to_thread(self._write_adapter, store, version, source)
-            owned = True
-        if offered[1] is not None:
-            self._segments.append(Path(offered[1].address))
-        # The offer is part of the entry: registered first, it travels with the announcement.
-        try:
+            # A copy in the store is registered before its fsyncs: workers copy and verify its
+            # bytes from the page cache while it becomes durable (fsyncs on a shared disk wait
+            # for every other writer's journal commits: the adapter's store step took up to
+            # ~175 ms under load; a checkpoint's fsync writes all of it to disk); the call
+            # returns once durable. What a crash leaves at each step: docs/architecture.md,
+            # "Versions before they are durable".
+            if adapter_on is None:
+                path, files, owned = await asyncio.to_thread(self._write_weights, store, version,
+                                                             source, copy)
+            else:
+                path, files = await asyncio.to_thread(self._write_adapter, store, version, source)
+                owned = True
             entry = await commit_files(self.redis, self.keys, store, version, path, files, owned,
                                        publisher=self.trainer_id, keep=None, registry=self.registry,
-                                       adapter_on=adapter_on, tensors=offered[0], push=offered[1],
-                                       canary=canary)
-        except BaseException:
-            if offered[1] is not None:  # never registered: nobody will read it
-                self._drop_segment(offered[1].address)
-            raise
-        if offered[1] is not None:
-            self.drop_segments(keep=1)
-            asyncio.get_running_loop().call_later(PUSH_HOLD_S, self._drop_segment, offered[1].address)
+                                       adapter_on=adapter_on, canary=canary)
         if owned:  # (by reference: the trainer's files, whose durability is the trainer's)
             await asyncio.to_thread(store.make_durable, path)
         if keep is not None:  # older versions go only once this one is durable
@@ -189,32 +181,49 @@ class Publisher:
         finally:
             self._staging.give(source.buffer)
 
-    def _write_pushed(self, store: WeightStore, version: int, image: Any):
-        """A packed checkpoint written into the store and, beside it (another thread, the same
-        bytes), fingerprinted per tensor and written into a shm segment for the push. A
-        segment that fails is logged and the version published without a push (workers load the
-        files); the files failing fail the publish."""
+    async def _push_first(self, store: WeightStore, version: int, image: Any,
+                          canary: bytes) -> VersionEntry | None:
+        """A push publish: the packed image fingerprinted per tensor into a shm segment while
+        another thread takes its file's digest (both from memory), the version registered with
+        the offer at once, and only then its file written into the store, at the directory the
+        entry names. Workers that take the push never wait for the trainer's disk; those that
+        miss it wait for the directory to appear (`worker/swap.py`). None: no segment could be
+        written (logged); the caller publishes the files alone, the image still to write."""
         pushes.sweep_segments(PUSH_HOLD_S)  # (those of trainers that died)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="rollq-push")
-        segment = pool.submit(_segment, image, f"{self.keys.policy}-{version}")
         try:
-            path, files = store.write_image(self.keys.policy, version, image)
-        except BaseException:
-            wait_all([segment])
-            if segment.exception() is None:  # the version fails: nobody will read it
-                Path(segment.result()[1].address).unlink(missing_ok=True)
-            raise
-        finally:
-            wait_all([segment])  # the segment reads the buffer: returned only once both are done
-            pool.shutdown()
-            self._staging.give(image.buffer)
-        try:
-            tensors, offer = segment.result()
+            tensors, offer, digest = await asyncio.to_thread(
+                _offer, image, f"{self.keys.policy}-{version}")
         except OSError as e:
             log.warning("version %d: no push (its segment could not be written: %s); workers "
                         "load its files", version, e)
-            return path, files, ([], None)
-        return path, files, (tensors, offer)
+            return None
+        path = store.version_path(self.keys.policy, version)
+        self._segments.append(Path(offer.address))
+        try:  # the offer is part of the entry: registered first, it travels with the announcement
+            entry = await commit_files(self.redis, self.keys, store, version, path, [digest], True,
+                                       publisher=self.trainer_id, keep=None, registry=self.registry,
+                                       tensors=tensors, push=offer, canary=canary)
+        except BaseException:
+            self._drop_segment(offer.address)  # never registered: nobody will read it
+            self._staging.give(image.buffer)
+            raise
+        self.drop_segments(keep=1)
+        asyncio.get_running_loop().call_later(PUSH_HOLD_S, self._drop_segment, offer.address)
+        try:
+            await asyncio.to_thread(self._write_image_at, store, version, image, path, digest)
+        except BaseException as e:
+            log.error("version %d is registered and pushed, but its files could not be written "
+                      "(%s: %s): workers that missed the push load a later version", version,
+                      type(e).__name__, e)
+            raise
+        return entry
+
+    def _write_image_at(self, store: WeightStore, version: int, image: Any, path: Path,
+                        digest: FileDigest) -> None:
+        try:
+            store.write_image(self.keys.policy, version, image, at=path, digest=digest)
+        finally:
+            self._staging.give(image.buffer)
 
     def _drop_segment(self, address: str) -> None:
         for path in [p for p in self._segments if str(p) == address]:
@@ -234,3 +243,12 @@ def _segment(image: Any, label: str) -> tuple[list[TensorDigest], PushOffer]:
     """A packed image's tensors fingerprinted and their bytes in a new shm segment."""
     tensors, start = pushes.image_tensors(image.view)
     return tensors, pushes.shm_offer(pushes.write_segment(image.view[start:], label))
+
+
+def _offer(image: Any, label: str) -> tuple[list[TensorDigest], PushOffer, FileDigest]:
+    """`_segment`, and beside it (another thread: BLAKE3 releases the GIL) the digest of the
+    file the image will be written as."""
+    with ThreadPoolExecutor(1, thread_name_prefix="rollq-push") as pool:
+        digest = pool.submit(image_digest, image)
+        tensors, offer = _segment(image, label)
+        return tensors, offer, digest.result()

@@ -19,11 +19,12 @@ from rollq.registry.versions import Registry, VersionConflict
 async def commit_version(redis: Redis, keys: Keys, store: WeightStore, entry: VersionEntry,
                          keep: int | None, registry: Registry | None = None) -> None:
     """Raises VersionConflict for a version not above the newest; a refused version's copy in
-    the store is deleted then (by-reference files are the trainer's, never deleted here)."""
+    the store is deleted then (by-reference files are the trainer's, never deleted here; a
+    push's are written after it registers: none yet)."""
     try:
         await (registry or Registry(redis, keys)).register(entry)
     except VersionConflict:
-        if entry.owned:
+        if entry.owned and Path(entry.path).exists():
             await asyncio.to_thread(store.delete, entry.path)
         raise
     if keep is not None:

@@ -117,6 +117,15 @@ def _digest_bytes(data: memoryview) -> str:
     return digest.hexdigest()
 
 
+IMAGE_FILE = "model.safetensors"
+"""The one file a packed checkpoint is written as."""
+
+
+def image_digest(image: staging.Image) -> FileDigest:
+    """The digest `write_image` gives the file of `image`, from its bytes in memory."""
+    return FileDigest(IMAGE_FILE, _digest_bytes(image.view), image.size, DIGEST)
+
+
 def _write_hashed(target: Path, data: memoryview) -> FileDigest:
     """Write `data` to a new file while another thread hashes it (BLAKE3 releases the GIL);
     small data is hashed first in this thread (a thread hand-off costs more than its hash)."""
@@ -310,16 +319,24 @@ class WeightStore:
         self.root = Path(root).resolve()
         self.durable = durable
 
+    def version_path(self, policy: str, version: int) -> Path:
+        """A new directory name for `version`, chosen before it is written (`write_image(at=)`):
+        a push registers the version with it, and its files appear there, all at once, later."""
+        return self._policy_dir(policy) / f"v{version:010d}-{uuid.uuid4().hex[:8]}"
+
     def _write(self, policy: str, version: int, fill, listing=weight_files,
-               writes: set[str] | None = None) -> tuple[Path, list[FileDigest]]:
+               writes: set[str] | None = None, at: Path | None = None) -> tuple[Path, list[FileDigest]]:
         """`fill(tmp_dir)` writes the files (`listing` names them: safetensors, or an adapter's
         two files) and may return their digests, taken from the bytes it wrote (then only
         sizes and headers are read back); the rest makes them a committed version (durable
         before the rename unless the store was made with `durable=False`). `writes`: the names
-        `fill` will write, given when a spare (`delete`) may be written over."""
+        `fill` will write, given when a spare (`delete`) may be written over; `at`: the
+        directory, from `version_path` (else a new one)."""
         parent = self._policy_dir(policy)
         parent.mkdir(parents=True, exist_ok=True)
-        name = f"v{version:010d}-{uuid.uuid4().hex[:8]}"
+        if at is not None and (at.parent != parent or at.exists()):
+            raise WeightError(f"{at} is not a new version directory of policy {policy!r}")
+        name = at.name if at is not None else f"v{version:010d}-{uuid.uuid4().hex[:8]}"
         tmp = parent / f".tmp-{name}"
         with contextlib.ExitStack() as held:
             held.enter_context(_writing(parent))  # (its leftovers cleaned first, see there)
@@ -366,19 +383,24 @@ class WeightStore:
         from safetensors.torch import save_file
 
         def fill(tmp: Path) -> None:
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            save_file(tensors, str(tmp / IMAGE_FILE), metadata={"format": "pt"})
 
         return self._write(policy, version, fill)
 
-    def write_image(self, policy: str, version: int,
-                    image: staging.Image) -> tuple[Path, list[FileDigest]]:
+    def write_image(self, policy: str, version: int, image: staging.Image, *, at: Path | None = None,
+                    digest: FileDigest | None = None) -> tuple[Path, list[FileDigest]]:
         """A packed checkpoint (`staging.Staging.pack`): written to disk while another thread
-        hashes the same bytes in memory (BLAKE3 releases the GIL), so the file is never read back."""
+        hashes the same bytes in memory (BLAKE3 releases the GIL), so the file is never read back.
+        `at`: its directory (`version_path`); `digest`: `image_digest(image)`, taken before (a
+        push registers it first): then the bytes are only written."""
 
         def fill(tmp: Path) -> list[FileDigest]:
-            return [_write_hashed(tmp / "model.safetensors", image.view)]
+            if digest is None:
+                return [_write_hashed(tmp / IMAGE_FILE, image.view)]
+            _write_new(tmp / IMAGE_FILE, image.view)
+            return [digest]
 
-        return self._write(policy, version, fill, writes={"model.safetensors"})
+        return self._write(policy, version, fill, writes={IMAGE_FILE}, at=at)
 
     def copy_dir(self, policy: str, version: int, source: Path,
                  listing=weight_files) -> tuple[Path, list[FileDigest]]:

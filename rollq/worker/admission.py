@@ -19,6 +19,10 @@ class Admission:
         self._watchers = 0
         """Callers waiting for a change: without any, a group leaving notifies nobody."""
 
+    def wake(self) -> None:
+        """Groups waiting at the gate for a swap decide on their windows again, now."""
+        self._notify()
+
     def _notify(self) -> None:
         if self._watchers:
             self._changed.set()

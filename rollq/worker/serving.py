@@ -177,7 +177,7 @@ class GroupServer:
         if in_window(item, loaded, loaded if newest is None else max(newest, loaded)):
             return Verdict(Decision.SERVE)
         return decide(item, loaded=loaded, pinned=self.limits.pinned, newest=newest,
-                      pinned_elsewhere=await self._pinned_peers(), cannot_load=versions.cannot_load,
+                      pinned_elsewhere=await self._pinned_peers(), cannot_load=versions.loadable_not(),
                       refused_everywhere=self._refused_everywhere,
                       target=self.heartbeat.target)
 

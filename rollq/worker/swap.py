@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rollq.worker")
 
+FILES_POLL_S = 0.05
+"""How often a worker looks for the files of a pushed version being written (`_files_written`)."""
+
 class VersionFollower:
     def __init__(self, engine: Engine, registry: Registry, versions: VersionState, *,
                  admission: Admission, heartbeat: Heartbeat, stats: WorkerStats, worker_id: str,
@@ -71,6 +74,8 @@ class VersionFollower:
         """`--canary-refusal`: after a refusal, serve the `previous` version or `none`."""
         self._below_refused_seen: tuple[int, int, int] | None = None
         self.push_timeout_s = push_timeout_s
+        self._push_failed: int | None = None
+        """The last version whose push failed here: tried again, it loads the files."""
         self.spoil: Callable[[int, Path], None] | None = None
         """Tests only: changes a checked snapshot's files before the engine loads them (a worker
         made to load wrong bytes on purpose, for the canary to catch). Never set in `rollq worker`."""
@@ -188,13 +193,19 @@ class VersionFollower:
             return
         heartbeat.holds.add(version)
         heartbeat.target = version
-        if entry.tensors and pushes.reachable(entry.push, getattr(self.engine, "push_transport", None)):
+        if entry.tensors and version != self._push_failed \
+                and pushes.reachable(entry.push, getattr(self.engine, "push_transport", None)):
             if await self._pushed(entry):
                 return
             if version in self.versions.cannot_load:  # its canary refused it, or the engine died
                 await heartbeat.release(version)  # (never served here: retention may take it)
                 return
+            self._push_failed = version  # (a later try of this version goes to the files)
             heartbeat.target = version  # refused: the files, as a worker that missed the push
+        if not await self._files_written(entry):
+            heartbeat.target = None
+            await heartbeat.release(version)
+            return
         log.info("version %d: pinned; checking a private copy of its files", version)
         snapshot, served = self.snapshots.new(version), False
         try:
@@ -242,6 +253,12 @@ class VersionFollower:
                 return False
             if self.adapters is not None:
                 await self.adapters.rebase()
+            if not await self._files_written(entry):  # served from checked bytes all the same
+                await self._release_unchecked()
+                self._unchecked = version
+                log.warning("version %d: pushed and served; its files never came (a newer version "
+                            "came first): a failed load goes back further", version)
+                return True
             snapshot = self.snapshots.new(version)
             try:
                 await asyncio.get_running_loop().run_in_executor(
@@ -263,6 +280,36 @@ class VersionFollower:
             return True
         finally:
             self.heartbeat.target = None
+
+    async def _files_written(self, entry: VersionEntry) -> bool:
+        """A pushed version is registered before its files are written (the push does not wait
+        for the trainer's disk: `client/publishing.py`), which appear in its directory all at
+        once (renamed into place). Wait for them: True once there; False once a newer version is
+        registered (a trainer that died before writing them is followed by one that publishes
+        again) or the worker stops. Any other version's files are there when it registers."""
+        path = Path(entry.path)
+        if entry.push is None or path.exists():
+            return True
+        log.info("version %d: waiting for its files to be written (%s)", entry.version, path)
+        if self.engine.version < entry.version:  # (until written: its groups go to the pushers)
+            self.versions.awaited = entry.version
+            self.admission.wake()
+        asked = time.monotonic()
+        try:
+            while not path.exists():
+                if self.stopping():
+                    return False
+                if time.monotonic() - asked >= self.poll_s:
+                    asked = time.monotonic()
+                    latest = await self.registry.latest()
+                    if latest is not None and latest > entry.version and not path.exists():
+                        log.warning("version %d: its files were not written before version %d was "
+                                    "registered; not waiting for them", entry.version, latest)
+                        return False
+                await asyncio.sleep(FILES_POLL_S)
+            return True
+        finally:
+            self.versions.awaited = None
 
     async def swap_to(self, entry: VersionEntry, path: Path | None, *, verify_s: float = 0.0,
                       push: dict | None = None) -> bool:

@@ -40,6 +40,14 @@ class VersionState:
         serves the one loaded."""
         self.canaries: deque[CanaryCheck] = deque(maxlen=MAX_REPORTED_CHECKS)
         """The latest canary checks, accepted and refused (the heartbeat reports them)."""
+        self.awaited: int | None = None
+        """A pushed version this worker did not take by its push and whose files it waits for
+        (`VersionFollower._files_written`): not loadable yet, so groups that need it are left
+        to the workers that took the push rather than held here for as long as the write takes."""
+
+    def loadable_not(self) -> set[int]:
+        """Versions this worker cannot swap to now: refused, skipped, or awaiting their files."""
+        return self.cannot_load if self.awaited is None else self.cannot_load | {self.awaited}
 
     async def read_newest(self) -> int | None:
         """Read the newest registered version from the registry (and remember it)."""
