@@ -64,6 +64,9 @@ its probe token), what any swap through vLLM pays at least, with publish -> serv
 
     python bench/swap.py [--repeats 3] [--adapter-repeats 9] [--only full|adapter]
     # table + bench/results/swap.json
+    python bench/swap.py --tensor-parallel-size 2
+    # copy and push again on a TP=2 worker (vLLM's CPU build, its ranks unbound), added to
+    # bench/results/swap.json as `tp`
 """
 
 from __future__ import annotations
@@ -100,10 +103,12 @@ SMALL_CANARY = "copy + small canary"
 SMALL = dict(count=2, length=32)
 """The small canary's sequences (`rollq.canary.default_sequences`)."""
 MEMORY = "state_dict, wait=False"
+"""The trainer publishes its tensors and goes on: `trainer stall` is how long the call held it."""
 PUSH = "state_dict + push"
 PUSH_ENGINE = '{"backend": "rollq_shm"}'
 """The full-weight worker's `weight_transfer_config`: it takes pushes (and files, as any worker)."""
-"""The trainer publishes its tensors and goes on: `trainer stall` is how long the call held it."""
+TP_MODES = ("copy", PUSH)
+"""The modes run again on a tensor-parallel worker (`--tensor-parallel-size`)."""
 
 
 def raw_read(files: list[Path], *, cold: bool = False) -> float:
@@ -377,10 +382,12 @@ async def adapter_runs(redis_url: str, tmp: Path, base: Path, repeats: int) -> d
             "loaded_s": statistics.median(r["loaded_s"] for r in runs), "runs": runs}
 
 
-async def main(repeats: int, adapter_repeats: int, only: str | None = None) -> dict:
+async def main(repeats: int, adapter_repeats: int, only: str | None = None, tp: int = 1) -> dict:
     load_before = os.getloadavg()
     modes: dict[str, list[dict]] = {"copy": [], CANARY: [], SMALL_CANARY: [], "by reference": [],
                                     MEMORY: [], PUSH: []}
+    if tp > 1:
+        modes, only = {mode: [] for mode in TP_MODES}, "full"
     references: dict = {}
     adapter = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -390,13 +397,13 @@ async def main(repeats: int, adapter_repeats: int, only: str | None = None) -> d
         redis = RedisProcess(tmp, aof=False).start()
         try:
             if only != "adapter":
-                references = canaries(checkpoints)
-                await full_runs(redis.url, tmp, checkpoints, modes, repeats, references)
+                references = canaries(checkpoints) if CANARY in modes else {}
+                await full_runs(redis.url, tmp, checkpoints, modes, repeats, references, tp)
             if only != "full":
                 adapter = await adapter_runs(redis.url, tmp, checkpoints[0], adapter_repeats)
         finally:
             redis.stop()
-    return {"bytes": size, "repeats": repeats, "model": MODEL,
+    return {"bytes": size, "repeats": repeats, "model": MODEL, "tensor_parallel_size": tp,
             "modes": {mode: summary(runs, size) for mode, runs in modes.items() if runs},
             "adapter": adapter, "load": [load_before[0], os.getloadavg()[0]],
             "reference_s": {mode: seconds for mode, (_, seconds) in references.items()}}
@@ -423,9 +430,9 @@ def canaries(checkpoints: list[Path]) -> dict[str, tuple[list, float]]:
 
 
 async def full_runs(redis_url: str, tmp: Path, checkpoints: list[Path],
-                    modes: dict[str, list[dict]], repeats: int, references: dict) -> None:
+                    modes: dict[str, list[dict]], repeats: int, references: dict, tp: int = 1) -> None:
     worker = start_worker(redis_url, POLICY, checkpoints[0], "--engine-arg",
-                          f"weight_transfer_config={PUSH_ENGINE}")
+                          f"weight_transfer_config={PUSH_ENGINE}", "--tensor-parallel-size", str(tp))
     try:
         async with RolloutClient(redis_url, policy=POLICY, trainer_id="bench",
                                  weight_store=str(tmp / "store")) as client:
@@ -478,7 +485,18 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--adapter-repeats", type=int, default=9)
     parser.add_argument("--only", choices=["full", "adapter"], help="run one part")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help=f"above 1: only {' and '.join(TP_MODES)}, on a worker with this many "
+                             "ranks, added to the last result as `tp`")
     args = parser.parse_args()
-    result = asyncio.run(main(args.repeats, args.adapter_repeats, args.only))
+    result = asyncio.run(main(args.repeats, args.adapter_repeats, args.only, args.tensor_parallel_size))
     report(result)
+    if args.tensor_parallel_size > 1:
+        import json
+
+        from common import results_dir
+
+        last = results_dir() / "swap.json"
+        result = (json.loads(last.read_text()) if last.exists() else {}) | {
+            "tp": result | {"date": time.strftime("%Y-%m-%d")}}
     write_result("swap", result)

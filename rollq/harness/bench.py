@@ -123,10 +123,29 @@ CANARY_MODES = ("copy + canary", "copy + small canary")
 
 
 def _swap(r: dict) -> list[str]:
-    modes = r["modes"]
     rows = [f"Publish to serving, {r['bytes'] / 1e6:.0f} MB checkpoint (float32 safetensors), median of "
-            f"{r['repeats']} per mode; seconds.", "",
-            "| phase | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+            f"{r['repeats']} per mode; seconds.", "", *_phase_table(r["modes"])]
+    rows += _swap_notes(r)
+    tp = r.get("tp")
+    if tp:
+        copy, push = tp["modes"].get("copy"), tp["modes"].get("state_dict + push")
+        rows += ["", f"The same on a worker with tensor_parallel_size={tp['tensor_parallel_size']} (vLLM's "
+                     f"CPU build, ranks unbound; {tp.get('date', r.get('date', ''))}, median of "
+                     f"{tp['repeats']}; each rank reads and checks the whole push):", "",
+                 *_phase_table(tp["modes"])]
+        if copy and push:
+            ratio = push["total_s"] / copy["total_s"]
+            rows.append(f"- TP={tp['tensor_parallel_size']}: state_dict + push: publish -> serving / "
+                        f"copy's **{ratio:.2f}** (issue 40's target <= 0.6: {_met(ratio <= 0.6)}); "
+                        f"publish -> serving / its floor **{push['ratio_vs_floor']:.2f}**.")
+        if tp.get("load"):
+            rows.append(f"- load average (1 min) {tp['load'][0]:.1f} at the start, {tp['load'][1]:.1f} "
+                        "at the end.")
+    return rows + ["", *SWAP_PHASES_EXPLAINED]
+
+
+def _phase_table(modes: dict) -> list[str]:
+    rows = ["| phase | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
     seen = {k for m in modes.values() for k in m["phases_s"]}
     phases = [k for k in SWAP_PHASES if k in seen]
     rows += [f"| {k} | " + " | ".join(f"{m['phases_s'][k]:.2f}" if k in m["phases_s"] else "–"
@@ -137,7 +156,11 @@ def _swap(r: dict) -> list[str]:
         f"{m['raw_warm_s']:.3f}" for m in modes.values()) + " |")
     rows.append("| raw read, cold | " + " | ".join(
         f"{m['raw_cold_s']:.3f}" if m["raw_cold_s"] else "n/a" for m in modes.values()) + " |")
-    rows.append("")
+    return rows
+
+
+def _swap_notes(r: dict) -> list[str]:
+    modes, rows = r["modes"], [""]
     for mode, m in modes.items():
         cold = f"{m['ratio_vs_cold']:.3f}" if m["ratio_vs_cold"] else "n/a"
         best = max(m["ratio_vs_warm"], m["ratio_vs_cold"] or 0)
@@ -193,7 +216,7 @@ def _swap(r: dict) -> list[str]:
     if r.get("load"):
         rows.append(f"- load average (1 min) {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} "
                     "at the end (2 cores; other sessions' runs share them).")
-    return rows + ["", *SWAP_PHASES_EXPLAINED]
+    return rows
 
 
 SWAP_PHASES_EXPLAINED = [
