@@ -252,6 +252,7 @@ async def swap_once(client: RolloutClient, version: int, source: Path, mode: str
         phases["trainer stall"] = time.perf_counter() - began
     stored = asyncio.ensure_future(ended(published))
     await announced(client, after)
+    phases["registered"] = time.perf_counter() - began
     await client.submit([[1, 5, 6]], n=1, sampling={"max_tokens": 1}, min_version=version)
     [probe] = await client.take(1, timeout_s=300)
     total_s = time.perf_counter() - began

@@ -22,13 +22,26 @@ pytestmark = pytest.mark.skipif(not LONG, reason="ROLLQ_LONG_TESTS=1: two ranks 
 
 
 @pytest.fixture(scope="module")
-async def swap_engine(tiny_model):
+def hold_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("push-hold")
+
+
+@pytest.fixture(scope="module")
+async def swap_engine(tiny_model, hold_dir):
+    """2 ranks taking pushes, the tests' hold hook on in their processes (`pushes.HOLD_ENV`)."""
+    import os
+
     from rollq.config import VLLMSettings
+    from rollq.engine import pushes
     from rollq.engine.vllm import VLLMEngine
 
     flags = engine_flags(tiny_model) | {"tensor_parallel_size": 2, "engine_args": {
         "weight_transfer_config": {"backend": "rollq_shm"}}}
-    engine = await VLLMEngine.start(VLLMSettings(**flags).validate(), version=1)
+    os.environ[pushes.HOLD_ENV] = str(hold_dir)  # the ranks' environment: ours at their start
+    try:
+        engine = await VLLMEngine.start(VLLMSettings(**flags).validate(), version=1)
+    finally:
+        del os.environ[pushes.HOLD_ENV]
     yield engine
     await engine.close()
 
@@ -60,6 +73,44 @@ async def test_two_ranks_serve_swap_and_take_a_push(publisher, follower, version
     assert "push" in worker.stats.totals.last_swap, worker.last_error
     await check(3)
 
+
+
+@pytest.mark.timeout(600)
+async def test_a_push_one_rank_refuses_is_loaded_by_no_rank(publisher, follower, versions, engine_v1,
+                                                            hold_dir, monkeypatch):
+    """One rank's read of a push is held past `push_timeout_s` (the tests' hook: the first
+    reader takes the hold), so it refuses, while the other rank read and checked every byte. The
+    ranks agree before loading: neither loads, the worker serves v1 on both, token for token.
+    (The version's files never come, their write failing, so nothing loads v2 afterwards.)
+    Seen failing without the agreement: the other rank loaded its shards of v2 under v1's label."""
+    from rollq.registry.store import WeightStore
+
+    weights, models = versions
+
+    def no_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(WeightStore, "write_image", no_disk)
+    worker = follower(swap_mode="drain", push_timeout_s=3.0)
+    (hold_dir / "hold").touch()
+    publishing = await publisher.publish_weights(2, weights[2], push="shm", wait=False)
+    try:
+        marker = await wait_until(lambda: next(iter(hold_dir.glob("held-*")), None), timeout_s=60,
+                                  what="one rank's read held")
+        await wait_until(lambda: "not read and checked within 3 s" in worker.last_error,
+                         timeout_s=120, what="the held rank's refusal")
+    finally:
+        for path in hold_dir.iterdir():
+            path.unlink()
+    with pytest.raises(OSError, match="No space left"):
+        await publishing
+    assert marker is not None and engine_v1.version == 1 and not engine_v1.swapping
+    reference = Reference(models)
+    await publisher.submit(PROMPTS[:6], n=1, sampling=GREEDY | {"max_tokens": 24})
+    for r in await collect(publisher, 6, timeout_s=120):
+        [sample] = r.samples
+        assert sample.versions == [(1, 0)]
+        reference.check(r.prompt_ids, sample)
 
 
 @pytest.mark.timeout(600)

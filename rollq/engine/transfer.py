@@ -5,10 +5,11 @@ API (`AsyncLLM.start_weight_update`, `update_weights`, `finish_weight_update`), 
 and `nccl` engines are.
 
 `rollq_shm`: each rank reads the whole segment (`engine/pushes.py: read_checked`) into tensors of
-its own and checks every fingerprint before anything reaches the model; only then does it begin
+its own and checks every fingerprint before anything reaches the model; the ranks then agree
+(`_refused_anywhere`: one refusal refuses it on every rank), and only then does each begin
 vLLM's layerwise reload (as vLLM's IPC engine does, with `model.load_weights`, which shards each
-full tensor for its rank). So a refused push has touched no weight: the engine still holds the
-version it served. A load that fails after that (vLLM itself) leaves layers half loaded, and the
+full tensor for its rank). So a refused push has touched no weight on any rank: the engine still
+holds the version it served. A load that fails after that (vLLM itself) leaves layers half loaded, and the
 engine loads its last verified files back (`VLLMEngine._load_or_restore`).
 
 A read is bounded (`timeout_s`, the worker's `--push-timeout-s`): it runs in a daemon thread of
@@ -112,6 +113,24 @@ class _Reading:
         self.abandoned.set()
 
 
+def _refused_anywhere(refused: bool) -> bool:
+    """Every rank's verdict on its read, agreed before any rank loads: one MAX all-reduce over
+    the tensor-parallel group, then the pipeline-parallel one, on their CPU (gloo) groups. Each
+    rank reads and checks the segment on its own and may refuse alone (its deadline, a segment
+    cut between two reads); had the others loaded, the engine would hold two versions' shards
+    under one label. (One rank: nothing to agree.)"""
+    from vllm.distributed.parallel_state import (get_pp_group, get_tp_group,
+                                                 model_parallel_is_initialized)
+
+    if not model_parallel_is_initialized():
+        return refused
+    flag = torch.tensor([int(refused)], dtype=torch.int32)
+    for group in (get_tp_group(), get_pp_group()):
+        if group.world_size > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+    return bool(flag.item())
+
+
 class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
@@ -148,7 +167,15 @@ class ShmTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             self._drop_staged()
             staged = _Reading(update_info)
         self._staged = None
-        weights = staged.result()  # (a refusal or the timeout is raised here, nothing loaded yet)
+        refusal = None
+        try:
+            weights = staged.result()  # (a refusal or the timeout is raised here, nothing loaded yet)
+        except PushRefused as e:
+            refusal = e
+        except Exception as e:  # noqa: BLE001 (read, not loaded: refused all the same)
+            refusal = PushRefused(f"push segment {update_info.address}: {type(e).__name__}: {e}")
+        if _refused_anywhere(refusal is not None):
+            raise refusal or PushRefused("another rank of this engine refused the push; none loads it")
         if not self._reloading:
             initialize_layerwise_reload(self.model)
             self._reloading = True

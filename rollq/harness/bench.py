@@ -117,8 +117,8 @@ def _passthrough(r: dict) -> list[str]:
     return rows
 
 
-SWAP_PHASES = ("trainer stall", "store", "hash in place", "verify", "drain", "pause", "load", "push",
-               "canary", "resume")
+SWAP_PHASES = ("trainer stall", "registered", "store", "hash in place", "verify", "drain", "pause", "load",
+               "push", "canary", "resume")
 CANARY_MODES = ("copy + canary", "copy + small canary")
 
 
@@ -223,6 +223,8 @@ SWAP_PHASES_EXPLAINED = [
     "The phases, in order (each byte's passes in brackets):",
     "- *trainer stall* (state_dict only): `publish_weights` copying the trainer's tensors into a "
     "staging buffer laid out as the safetensors file; the trainer goes on after it [1 memcpy].",
+    "- *registered*: from the call to the version's announcement (the worker learns of it then); a "
+    "push registers before its files are written, every other path after.",
     "- *store*: the publish task, to its end. Copy: the kernel copies the files into the store "
     "(sendfile, over the files of the policy's spare, a retired version), the copies are hashed "
     "through a memory map (BLAKE3), renamed into place and registered "

@@ -49,6 +49,7 @@ log = logging.getLogger("rollq.worker")
 FILES_POLL_S = 0.05
 """How often a worker looks for the files of a pushed version being written (`_files_written`)."""
 
+
 class VersionFollower:
     def __init__(self, engine: Engine, registry: Registry, versions: VersionState, *,
                  admission: Admission, heartbeat: Heartbeat, stats: WorkerStats, worker_id: str,
