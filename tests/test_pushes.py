@@ -114,6 +114,30 @@ async def test_a_push_publish_offers_fingerprints_and_cleans_up(make_client, tmp
     assert not os.path.exists(entry.push.address)
 
 
+async def test_the_next_push_is_written_over_the_segment_no_longer_offered(make_client, tmp_path, policy):
+    """Pushes keep two segments: the newest, offered, and the one before, kept as the spare the
+    next push is written over (its pages allocated already). A reader still holding the spare
+    (a worker far behind) then reads the newer bytes, which fail the older version's fingerprints:
+    it loads the files instead."""
+    client = make_client(weight_store=str(tmp_path / "store"))
+    states = {v: {"w": torch.full((64, 64), float(v))} for v in (1, 2, 3)}
+    await client.publish_weights(1, states[1], push="shm")
+    first = await client.registry.get(1)
+    fd = os.open(first.push.address, os.O_RDONLY)
+    try:
+        await client.publish_weights(2, states[2], push="shm")
+        await client.publish_weights(3, states[3], push="shm")
+        third = await client.registry.get(3)
+        assert os.fstat(fd).st_ino == os.stat(third.push.address).st_ino  # written over
+        assert len(list(pushes.SHM_DIR.glob(f"{pushes.SEGMENT_PREFIX}{policy}-*"))) == 2
+        data = os.pread(fd, 64 * 64 * 4, 0)
+        assert pushes.fingerprint(data) == third.tensors[0].digest != first.tensors[0].digest
+    finally:
+        os.close(fd)
+    await client.close()
+    assert not list(pushes.SHM_DIR.glob(f"{pushes.SEGMENT_PREFIX}{policy}-*"))
+
+
 def _in_thread(call, wait_s: float = 5.0):
     """`call()`'s outcome, or TimeoutError if it is still running after `wait_s` (a daemon
     thread: one that blocks for ever must fail the test, not hang it)."""

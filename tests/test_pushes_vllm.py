@@ -110,8 +110,8 @@ async def test_corrupted_push_is_refused(publisher, follower, versions, engine_v
     weights, models = versions
     write = pushes.write_segment
 
-    def flipped(data, label):  # the test hook: one byte of the first tensor changed
-        path = write(data, label)
+    def flipped(data, label, over=None):  # the test hook: one byte of the first tensor changed
+        path = write(data, label, over)
         with open(path, "r+b") as f:
             f.seek(100)
             byte = f.read(1)

@@ -55,12 +55,22 @@ class Publisher:
         """Host buffers a published state_dict is copied into, kept for the next publishes."""
         self._segments: list[Path] = []
         """Pushes' shm segments still offered (the newest last)."""
+        self._spare: Path | None = None
+        """A segment no longer offered, which the next push writes over (`write_segment`)."""
 
     def drop_segments(self, keep: int = 0) -> None:
-        """Remove all but the newest `keep` push segments (a worker reading one keeps reading:
-        its descriptor holds the file; one that comes later loads the version's files)."""
+        """Offer no more than the newest `keep` push segments (a worker reading one keeps reading:
+        its descriptor holds the file; one that comes later loads the version's files). The
+        first one dropped is kept as the spare while pushes go on; `keep=0` removes all."""
         while len(self._segments) > keep:
-            self._segments.pop(0).unlink(missing_ok=True)
+            old = self._segments.pop(0)
+            if keep and self._spare is None:
+                self._spare = old
+            else:
+                old.unlink(missing_ok=True)
+        if not keep and self._spare is not None:
+            self._spare.unlink(missing_ok=True)
+            self._spare = None
 
     async def settle(self) -> None:
         """Until the last publish started has finished (or failed)."""
@@ -190,9 +200,10 @@ class Publisher:
         miss it wait for the directory to appear (`worker/swap.py`). None: no segment could be
         written (logged); the caller publishes the files alone, the image still to write."""
         pushes.sweep_segments(PUSH_HOLD_S)  # (those of trainers that died)
+        spare, self._spare = self._spare, None
         try:
             tensors, offer, digest = await asyncio.to_thread(
-                _offer, image, f"{self.keys.policy}-{version}")
+                _offer, image, f"{self.keys.policy}-{version}", spare)
         except OSError as e:
             log.warning("version %d: no push (its segment could not be written: %s); workers "
                         "load its files", version, e)
@@ -239,16 +250,18 @@ class Publisher:
         return store.copy_dir(self.keys.policy, version, source, adapter_files)
 
 
-def _segment(image: Any, label: str) -> tuple[list[TensorDigest], PushOffer]:
-    """A packed image's tensors fingerprinted and their bytes in a new shm segment."""
-    tensors, start = pushes.image_tensors(image.view)
-    return tensors, pushes.shm_offer(pushes.write_segment(image.view[start:], label))
-
-
-def _offer(image: Any, label: str) -> tuple[list[TensorDigest], PushOffer, FileDigest]:
-    """`_segment`, and beside it (another thread: BLAKE3 releases the GIL) the digest of the
-    file the image will be written as."""
-    with ThreadPoolExecutor(1, thread_name_prefix="rollq-push") as pool:
+def _offer(image: Any, label: str,
+           spare: Path | None = None) -> tuple[list[TensorDigest], PushOffer, FileDigest]:
+    """A packed image's tensors fingerprinted, their bytes written into a shm segment (over
+    `spare` if given), and the digest of the file the image will be written as: three passes
+    over the same bytes at once, in three threads (BLAKE3 and write release the GIL)."""
+    view = image.view
+    with ThreadPoolExecutor(2, thread_name_prefix="rollq-push") as pool:
         digest = pool.submit(image_digest, image)
-        tensors, offer = _segment(image, label)
-        return tensors, offer, digest.result()
+        tensors = pool.submit(pushes.image_tensors, view)
+        segment = pushes.write_segment(view[pushes.data_start(view):], label, spare)
+        try:
+            return tensors.result()[0], pushes.shm_offer(segment), digest.result()
+        except BaseException:
+            segment.unlink(missing_ok=True)
+            raise

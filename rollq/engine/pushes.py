@@ -134,20 +134,52 @@ def image_tensors(view: memoryview) -> tuple[list[TensorDigest], int]:
     return [t for _, t in tensors], start
 
 
-def write_segment(data: memoryview, label: str) -> Path:
-    """The tensors' bytes in a new file under /dev/shm, readable by this user only."""
+def data_start(view: memoryview) -> int:
+    """Where a packed image's tensor data begins (after its header)."""
+    return 8 + int.from_bytes(view[:8], "little")
+
+
+def write_segment(data: memoryview, label: str, over: Path | None = None) -> Path:
+    """The tensors' bytes in a new file under /dev/shm, readable by this user only. `over`: a
+    segment of this process's no longer offered, renamed to the new name and written over (its
+    pages are allocated already: 0.08 s for 445 MB here, where a new file took 0.17-0.19 s); a
+    worker still reading it then finds bytes that fail their fingerprints and loads the files.
+    Nobody can open the new name before the entry naming it is registered, after this returns."""
     path = SHM_DIR / f"{SEGMENT_PREFIX}{re.sub(r'[^A-Za-z0-9_.-]', '_', label)[:100]}-{uuid.uuid4().hex[:12]}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    fd = _reused(over, path) if over is not None else None
+    if fd is None:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
     try:
         written = 0
         while written < data.nbytes:
             written += os.write(fd, data[written:])
+        os.ftruncate(fd, written)
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
         raise
     os.close(fd)
     return path
+
+
+def _reused(spare: Path, path: Path) -> int | None:
+    """`spare` renamed to `path` and opened to write over; None if it is gone (swept, removed) or
+    not a regular file of this user's."""
+    try:
+        os.rename(spare, path)
+    except OSError:
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        return None
+    return fd
 
 
 def sweep_segments(older_than_s: float) -> None:
