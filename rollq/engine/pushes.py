@@ -29,6 +29,7 @@ import stat
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -238,20 +239,24 @@ def read_checked(address: str, tensors: list[TensorDigest], empty,
         if not stat.S_ISREG(info.st_mode) or info.st_size != expected:
             raise PushRefused(f"push segment {address}: {info.st_size} bytes, the entry's tensors "
                               f"take {expected}")
-        out, offset = [], 0
-        for t in tensors:
-            if out:
-                _test_hold(path, given_up)
-            if given_up():
-                raise PushRefused(f"push segment {address}: read given up")
-            tensor, data = empty(t)
-            _read_into(fd, data, offset, address)
-            if fingerprint(data) != t.digest:
-                raise PushRefused(f"push of tensor {t.name}: its bytes do not match the "
-                                  "registry's fingerprint")
-            out.append((t.name, tensor))
-            offset += data.nbytes
-        return out
+        # Each tensor is hashed in another thread while the next one is read (pread and BLAKE3
+        # release the GIL): a read and a hash at once, not one after the other.
+        read, offset = [], 0
+        with ThreadPoolExecutor(1, thread_name_prefix="rollq-push-check") as hashing:
+            for t in tensors:
+                if read:
+                    _test_hold(path, given_up)
+                if given_up():
+                    raise PushRefused(f"push segment {address}: read given up")
+                tensor, data = empty(t)
+                _read_into(fd, data, offset, address)
+                read.append((t, tensor, hashing.submit(fingerprint, data)))
+                offset += data.nbytes
+            for t, _, digest in read:
+                if digest.result() != t.digest:
+                    raise PushRefused(f"push of tensor {t.name}: its bytes do not match the "
+                                      "registry's fingerprint")
+        return [(t.name, tensor) for t, tensor, _ in read]
     finally:
         os.close(fd)
 
