@@ -81,13 +81,25 @@ async def test_by_reference_version_rewritten_during_the_drain_serves_the_verifi
 
 
 async def test_seeded_samples_are_the_same_with_or_without_an_interrupting_swap(
-        publisher, follower, versions, tmp_path):
+        publisher, follower, versions, tmp_path, monkeypatch):
     """Issue 21, item 5: a seeded group is drained, never cut, so its samples do not depend
     on when a swap happened."""
+    import threading
+
+    from rollq.worker import swap as follower_module
+
     weights, _ = versions
     worker = follower(swap_mode="interrupt")
-    # 50 long samples (more than the engine runs at once) and a publish that only hashes, so
-    # the swap begins while seeded groups still run.
+    # The worker's check of v2 waits until seeded groups run, so the swap begins while they do
+    # (before, it began whenever the check ended: on a loaded machine, at times after the last
+    # group, and the test failed its precondition, "swap came too late").
+    checking, check = threading.Event(), follower_module.check_version
+
+    def check_once_groups_run(*args, **kwargs):
+        checking.wait(120)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(follower_module, "check_version", check_once_groups_run)
     seeded = {"temperature": 1.0, "max_tokens": 240, "seed": 1234}
     prompts = PROMPTS
     (tmp_path / "v2").mkdir()
@@ -99,9 +111,10 @@ async def test_seeded_samples_are_the_same_with_or_without_an_interrupting_swap(
         return {tuple(r.prompt_ids): r for r in await collect(publisher, len(prompts), timeout_s=180)}
 
     before = await run()  # all on v1
+    await publisher.publish_weights(2, tmp_path / "v2", copy=False)
     await publisher.submit(prompts, n=2, sampling=seeded)
     await wait_until(lambda: len(worker.admission.generating) >= 8, what="seeded groups running")
-    await publisher.publish_weights(2, tmp_path / "v2", copy=False)
+    checking.set()
     await wait_until(lambda: worker.state != "serving" or worker.engine.version == 2,
                      what="swap begun")
     # Else the groups ended before the swap and the test proves nothing.

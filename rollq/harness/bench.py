@@ -132,7 +132,7 @@ def _swap(r: dict) -> list[str]:
         rows += ["", f"The same on a worker with tensor_parallel_size={tp['tensor_parallel_size']} (vLLM's "
                      f"CPU build, ranks unbound; {tp.get('date', r.get('date', ''))}, median of "
                      f"{tp['repeats']}; each rank reads and checks the whole push):", "",
-                 *_phase_table(tp["modes"])]
+                 *_phase_table(tp["modes"]), ""]
         if copy and push:
             ratio = push["total_s"] / copy["total_s"]
             rows.append(f"- TP={tp['tensor_parallel_size']}: state_dict + push: publish -> serving / "
