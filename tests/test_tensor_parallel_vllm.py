@@ -1,8 +1,10 @@
 # ruff: noqa: F811 (fixtures imported from swap_fixtures are test arguments by design)
 """A worker whose engine runs 2 tensor-parallel ranks (vLLM's CPU build: each rank a process of
 its own, rollq's transfer engine registered in each by the plugin): it serves, swaps by files and
-takes a push, each time transformers' greedy tokens under the version it labels. One engine
-start (2 ranks: ~25 s quiet, minutes on a loaded 2-core box), one test.
+takes a push, each time transformers' greedy tokens under the version it labels; a push one rank
+refuses is loaded by none; a rank killed during a push swap, and while groups run, takes its
+worker down and every group goes to another worker, once. One engine for the module (2 ranks:
+~25 s quiet, minutes on a loaded 2-core box) and one more for the kill during a swap.
 
 Run by hand (`ROLLQ_LONG_TESTS=1`), not in CI: its two ranks take both of the CI machine's cores
 for ~40 s, which the suite's 20-minute budget did not have (passed in CI run 1 of session 17:
@@ -26,8 +28,7 @@ def hold_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("push-hold")
 
 
-@pytest.fixture(scope="module")
-async def swap_engine(tiny_model, hold_dir):
+async def _two_ranks(tiny_model, hold_dir):
     """2 ranks taking pushes, the tests' hold hook on in their processes (`pushes.HOLD_ENV`)."""
     import os
 
@@ -39,9 +40,14 @@ async def swap_engine(tiny_model, hold_dir):
         "weight_transfer_config": {"backend": "rollq_shm"}}}
     os.environ[pushes.HOLD_ENV] = str(hold_dir)  # the ranks' environment: ours at their start
     try:
-        engine = await VLLMEngine.start(VLLMSettings(**flags).validate(), version=1)
+        return await VLLMEngine.start(VLLMSettings(**flags).validate(), version=1)
     finally:
         del os.environ[pushes.HOLD_ENV]
+
+
+@pytest.fixture(scope="module")
+async def swap_engine(tiny_model, hold_dir):
+    engine = await _two_ranks(tiny_model, hold_dir)
     yield engine
     await engine.close()
 
@@ -113,6 +119,66 @@ async def test_a_push_one_rank_refuses_is_loaded_by_no_rank(publisher, follower,
         reference.check(r.prompt_ids, sample)
 
 
+def _second_ranks() -> set[int]:
+    """The processes of this test process's engines' second ranks."""
+    import os
+
+    import psutil
+
+    children = psutil.Process(os.getpid()).children(recursive=True)
+    return {p.pid for p in children if "TP1" in p.name() + " ".join(p.cmdline())}
+
+
+def _kill_a_rank(not_these: set[int] = frozenset()) -> None:
+    """SIGKILL an engine's second rank (not one of `not_these`: another engine's)."""
+    import os
+    import signal
+
+    ranks = _second_ranks() - not_these
+    assert len(ranks) == 1, ranks
+    os.kill(ranks.pop(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(600)
+async def test_a_rank_that_dies_during_a_push_swap_takes_its_worker_down(
+        publisher, versions, make_worker, tiny_model, hold_dir):
+    """Issue 40: a rank SIGKILLed while its worker swaps by a push (interrupt mode: the running
+    groups were cut at the pause; one rank's read is held, the engine paused in
+    `update_weights`). The worker stops with exit code 1, never serving on one rank or on
+    unchecked bytes, and every group it held, cut or waiting, is served exactly once by another
+    worker. Its own engine (the kill ends it)."""
+    from collections import Counter
+
+    from rollq.registry.safetensors_check import dir_schema
+
+    weights, _ = versions
+    others = _second_ranks()  # (the module's engine, if a test before started it)
+    engine = await _two_ranks(tiny_model, hold_dir)
+    try:
+        worker, task = make_worker("tp2", engine=engine, base_schema=dir_schema(tiny_model),
+                                   max_inflight=32, max_inflight_seqs=32, swap_mode="interrupt",
+                                   push_timeout_s=600)
+        job = await publisher.submit(PROMPTS[:12], n=1, sampling=GREEDY | {"max_tokens": 200})
+        await wait_until(lambda: len(worker.admission.generating) >= 4, timeout_s=120,
+                         what="groups running on the two ranks")
+        (hold_dir / "hold").touch()
+        await publisher.publish_weights(2, weights[2], push="shm")
+        await wait_until(lambda: next(iter(hold_dir.glob("held-*")), None), timeout_s=60,
+                         what="one rank's read of the push held")
+        await wait_until(lambda: engine.swapping, what="the push swap begun")
+        _kill_a_rank(others)
+        assert await asyncio.wait_for(task, 120) == 1  # stopped: the engine died
+        assert not engine.alive or worker.stopping
+    finally:
+        for path in hold_dir.iterdir():
+            path.unlink()
+        await engine.close()
+    make_worker("replacement")  # the instant engine
+    results = await collect(publisher, 12, timeout_s=120)
+    assert Counter((r.job_id, r.group_index) for r in results) == Counter((job, g) for g in range(12))
+    assert all(r.status == "ok" for r in results), [r.reason for r in results]
+
+
 @pytest.mark.timeout(600)
 async def test_a_rank_that_dies_takes_its_worker_down_and_its_groups_go_to_another(
         publisher, engine_v1, make_worker, tiny_model):
@@ -120,11 +186,7 @@ async def test_a_rank_that_dies_takes_its_worker_down_and_its_groups_go_to_anoth
     worker stops with exit code 1 (it never serves on one rank), every group it held is handed
     back, and another worker (the instant engine, standing in for the pool's replacement)
     serves each exactly once. Last in the module: the engine is dead after it."""
-    import os
-    import signal
     from collections import Counter
-
-    import psutil
 
     from rollq.registry.safetensors_check import dir_schema
 
@@ -133,10 +195,7 @@ async def test_a_rank_that_dies_takes_its_worker_down_and_its_groups_go_to_anoth
     job = await publisher.submit(PROMPTS[:12], n=1, sampling=GREEDY | {"max_tokens": 200})
     await wait_until(lambda: len(worker.admission.generating) >= 4, timeout_s=120,
                      what="groups running on the two ranks")
-    children = psutil.Process(os.getpid()).children(recursive=True)
-    ranks = [p for p in children if "TP1" in p.name() + " ".join(p.cmdline())]
-    assert ranks, [(p.name(), p.cmdline()[:2]) for p in children]
-    os.kill(ranks[0].pid, signal.SIGKILL)
+    _kill_a_rank()
     assert await asyncio.wait_for(task, 120) == 1  # stopped: the engine died
     assert not engine_v1.alive or worker.stopping
     make_worker("replacement")  # the instant engine
