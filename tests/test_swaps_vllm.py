@@ -9,18 +9,36 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import engine_flags
+from conftest import LONG, engine_flags
 from helpers import collect, wait_until
 
 from rollq.queue.workers import live_workers
 
 # The fixtures come from swap_fixtures (imported: tests/conftest.py is not ours to grow).
 from swap_fixtures import (GREEDY, PROMPTS, Reference, engine_v1, follower,  # noqa: F401
-                           publisher, swap_engine, versions)
+                           publisher, versions)
 
 
-@pytest.mark.parametrize("mode", ["drain", "interrupt", "keep"])
-async def test_publish_while_200_groups_run(mode, publisher, follower, versions, caplog):
+@pytest.fixture(scope="module")
+async def swap_engine(tiny_model):
+    """A float32 engine of its own that also takes pushes (`rollq_shm`); it starts as version 1."""
+    from rollq.config import VLLMSettings
+    from rollq.engine.vllm import VLLMEngine
+
+    flags = engine_flags(tiny_model) | {"engine_args": {"weight_transfer_config": {"backend": "rollq_shm"}}}
+    engine = await VLLMEngine.start(VLLMSettings(**flags).validate(), version=1)
+    yield engine
+    await engine.close()
+
+
+LONG_ONLY = pytest.mark.skipif(not LONG, reason="ROLLQ_LONG_TESTS=1: the CI's 20 minutes run one push mode")
+
+
+@pytest.mark.parametrize("mode, push", [("drain", None), ("interrupt", None), ("keep", None),
+                                        ("interrupt", "shm"),
+                                        pytest.param("drain", "shm", marks=LONG_ONLY),
+                                        pytest.param("keep", "shm", marks=LONG_ONLY)])
+async def test_publish_while_200_groups_run(mode, push, publisher, follower, versions, caplog):
     """192 tokens a group: the 168 groups left when v2 is published run for many seconds, so the
     swap begins while they run (with 48 tokens they took ~1.5 s, and a clean CI run once finished
     them all on v1 before the interrupting swap began; with 128, another, in under 17 s, the
@@ -30,7 +48,8 @@ async def test_publish_while_200_groups_run(mode, publisher, follower, versions,
     the swap began 0.07-0.27 s after the publish, a wave of 32 groups lasting ~2 s. A failure now
     also says when each log line came and when the last v1-only group ended, both relative to
     the publish. In keep mode the job accepts keep, and
-    each sample is checked against what keep promises (`Reference.check_kept`)."""
+    each sample is checked against what keep promises (`Reference.check_kept`). `push`: v2 comes
+    by a push (issue 40), the same labels and tokens asked of it."""
     caplog.set_level(logging.INFO, logger="rollq")
     weights, models = versions
     worker = follower(swap_mode=mode)
@@ -44,7 +63,7 @@ async def test_publish_while_200_groups_run(mode, publisher, follower, versions,
     results = await collect(publisher, 32, timeout_s=120)
     await wait_until(lambda: len(worker.admission.generating) >= 16, what="the second wave running")
     published, published_at = time.monotonic(), time.time()
-    await publisher.publish_weights(2, weights[2])
+    await publisher.publish_weights(2, weights[2], push=push)
     publish_s = time.monotonic() - published
     results += await collect(publisher, 200 - 32, timeout_s=300)
     ran_s = time.monotonic() - published
@@ -75,7 +94,8 @@ async def test_publish_while_200_groups_run(mode, publisher, follower, versions,
              executor and (len(executor._threads), executor._work_queue.qsize()), log)
     assert segments[(1,)] > 0 and segments[(2,)] > 0, state
     # Where the swap's time went (metrics, heartbeat, bench/swap.py): every phase, measured.
-    assert set(worker.stats.totals.last_swap) == {"verify", "drain", "pause", "load", "resume"}
+    assert set(worker.stats.totals.last_swap) == ({"drain", "pause", "push", "resume"} if push else
+                                                  {"verify", "drain", "pause", "load", "resume"})
     assert all(seconds >= 0 for seconds in worker.stats.totals.last_swap.values())
     if mode == "drain":
         assert set(segments) == {(1,), (2,)}
