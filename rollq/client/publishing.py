@@ -193,12 +193,13 @@ class Publisher:
 
     async def _push_first(self, store: WeightStore, version: int, image: Any,
                           canary: bytes) -> VersionEntry | None:
-        """A push publish: the packed image fingerprinted per tensor into a shm segment while
-        another thread takes its file's digest (both from memory), the version registered with
-        the offer at once, and only then its file written into the store, at the directory the
-        entry names. Workers that take the push never wait for the trainer's disk; those that
-        miss it wait for the directory to appear (`worker/swap.py`). None: no segment could be
-        written (logged); the caller publishes the files alone, the image still to write."""
+        """A push publish: the packed image written into a shm segment while other threads
+        fingerprint each tensor and take its file's digest (`_offer`, all from memory), the
+        version registered with the offer at once, and only then its file written into the
+        store, at the directory the entry names. Workers that take the push never wait for the
+        trainer's disk; those that miss it wait for the directory to appear (`worker/swap.py`).
+        None: no segment could be written (logged); the caller publishes the files alone, the
+        image still to write."""
         pushes.sweep_segments(PUSH_HOLD_S)  # (those of trainers that died)
         spare, self._spare = self._spare, None
         try:
@@ -208,6 +209,9 @@ class Publisher:
             log.warning("version %d: no push (its segment could not be written: %s); workers "
                         "load its files", version, e)
             return None
+        except BaseException:
+            self._staging.give(image.buffer)
+            raise
         path = store.version_path(self.keys.policy, version)
         self._segments.append(Path(offer.address))
         try:  # the offer is part of the entry: registered first, it travels with the announcement
