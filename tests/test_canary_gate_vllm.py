@@ -66,9 +66,11 @@ def through_bf16(state: dict) -> dict:
     return {k: v.to(torch.bfloat16).float() for k, v in state.items()}
 
 
-async def _checks(client):
+async def _checks(client, version: int):
+    """The worker's canary checks as its heartbeat reports them, once the last is of `version`
+    (else None: the beat that carries it comes after the refusal is made, not with it)."""
     [beat] = await live_workers(client.redis, client.keys)
-    return beat.canaries
+    return beat.canaries if beat.canaries and beat.canaries[-1].version == version else None
 
 
 async def test_wrong_versions_are_refused_and_the_previous_one_serves(follower, make_client, tmp_path,
@@ -91,7 +93,7 @@ async def test_wrong_versions_are_refused_and_the_previous_one_serves(follower, 
     await some_groups()
     await trainer.publish_weights(2, models[2], canary=True)
     await wait_until(lambda: worker.engine.version == 2, timeout_s=60, what="v2 accepted")
-    [accepted] = await wait_until(lambda: _checks(trainer), what="the check in the heartbeat")
+    [accepted] = await wait_until(lambda: _checks(trainer, 2), what="the check in the heartbeat")
     print("exact:", accepted.verdict.describe())
     assert accepted.version == 2 and accepted.verdict.accepted
     assert accepted.verdict.max_abs < F32.max_abs / 30 and accepted.verdict.mean_abs < F32.mean_abs / 30
@@ -117,7 +119,8 @@ async def test_wrong_versions_are_refused_and_the_previous_one_serves(follower, 
         await wait_until(lambda version=version: version in worker.versions.cannot_load, timeout_s=60,
                          what=f"v{version} ({what}) refused: serving {worker.engine.version}, "
                               f"{worker.versions.last_error}")
-        checks = await wait_until(lambda: _checks(trainer), what="the refusal in the heartbeat")
+        checks = await wait_until(lambda version=version: _checks(trainer, version),
+                                  what="the refusal in the heartbeat")
         refused = checks[-1]
         print(f"{what}: {refused.verdict.describe()}")
         assert refused.version == version and not refused.verdict.accepted

@@ -57,4 +57,4 @@ async def swap_engine(vllm_engine, tiny_model):
 
 async def test_publish_while_groups_run_with_an_interrupting_swap(publisher, follower, versions, caplog):
     """Interrupt mode: the cut samples carry two segments, each checked against its version."""
-    await publish_while_groups_run("interrupt", publisher, follower, versions, caplog)
+    await publish_while_groups_run("interrupt", None, publisher, follower, versions, caplog)
