@@ -46,6 +46,23 @@ async def swap_engine(tiny_model):
     await engine.close()
 
 
+async def start_with_hold(tiny_model, hold_dir, **settings):
+    """A float32 engine (v1; `settings`: more `VLLMSettings`) whose processes run the tests'
+    push hold hook (`pushes.HOLD_ENV` names `hold_dir` in their environment, ours at their start)."""
+    import os
+
+    from rollq.config import VLLMSettings
+    from rollq.engine import pushes
+    from rollq.engine.vllm import VLLMEngine
+
+    os.environ[pushes.HOLD_ENV] = str(hold_dir)
+    try:
+        return await VLLMEngine.start(VLLMSettings(**engine_flags(tiny_model) | settings).validate(),
+                                      version=1)
+    finally:
+        del os.environ[pushes.HOLD_ENV]
+
+
 @pytest.fixture
 async def engine_v1(swap_engine, tiny_model):
     """The module's engine, on version 1 (set before any worker of the test starts)."""

@@ -23,7 +23,7 @@ from helpers import collect, wait_until
 
 from rollq.engine import pushes
 from swap_fixtures import (GREEDY, PROMPTS, Reference, engine_v1, follower,  # noqa: F401
-                           publisher, versions)
+                           publisher, start_with_hold, versions)
 
 PUSHED = {"weight_transfer_config": {"backend": "rollq_shm"}}
 
@@ -33,22 +33,10 @@ def hold_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("push-hold")
 
 
-async def _start(tiny_model, hold_dir, engine_args: dict | None):
-    from rollq.config import VLLMSettings
-    from rollq.engine.vllm import VLLMEngine
-
-    flags = engine_flags(tiny_model) | ({"engine_args": engine_args} if engine_args else {})
-    os.environ[pushes.HOLD_ENV] = str(hold_dir)  # the engine core's environment: ours at its start
-    try:
-        return await VLLMEngine.start(VLLMSettings(**flags).validate(), version=1)
-    finally:
-        del os.environ[pushes.HOLD_ENV]
-
-
 @pytest.fixture(scope="module")
 async def swap_engine(tiny_model, hold_dir):
     """The module's push-capable float32 engine (`rollq_shm`, the hold hook on); starts as v1."""
-    engine = await _start(tiny_model, hold_dir, PUSHED)
+    engine = await start_with_hold(tiny_model, hold_dir, engine_args=PUSHED)
     yield engine
     await engine.close()
 
@@ -56,7 +44,7 @@ async def swap_engine(tiny_model, hold_dir):
 @pytest.fixture(scope="module")
 async def plain_engine(tiny_model, hold_dir):
     """An engine without a transfer backend: its worker takes every version from the files."""
-    engine = await _start(tiny_model, hold_dir, None)
+    engine = await start_with_hold(tiny_model, hold_dir)
     yield engine
     await engine.close()
 
@@ -247,7 +235,8 @@ async def test_a_push_serves_before_its_files_are_written(publisher, follower, v
                          what="v2 pushed before its files")
         entry = await publisher.registry.get(2)
         assert _pushed(pusher) and not os.path.exists(entry.path)
-        assert plain_engine.version == 1 and joiner.heartbeat.target == 2  # waiting for the files
+        await wait_until(lambda: joiner.heartbeat.target == 2, what="the joiner waiting for v2's files")
+        assert plain_engine.version == 1
         await publisher.submit(PROMPTS[:4], n=1, sampling=GREEDY, min_version=2)
         results = await collect(publisher, 4)
         assert {r.worker_id for r in results} == {pusher.worker_id}
@@ -285,7 +274,8 @@ async def test_a_push_whose_files_are_never_written(publisher, follower, version
     release.set()
     with pytest.raises(OSError, match="No space left"):
         await publishing
-    assert _pushed(pusher) and plain_engine.version == 1 and joiner.heartbeat.target == 2
+    await wait_until(lambda: joiner.heartbeat.target == 2, what="the joiner waiting for v2's files")
+    assert _pushed(pusher) and plain_engine.version == 1
     monkeypatch.undo()
     await publisher.publish_weights(3, weights[3])  # by files
     await wait_until(lambda: plain_engine.version == 3 and engine_v1.version == 3, timeout_s=60,
